@@ -1,0 +1,37 @@
+# The two commands: `make demo` and `make test`. Both build .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck bench clean install
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch is pinned and installed first: that exact build is the CPU wheel, and installing it
+# before the project keeps the resolver from pulling a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check pipeline transports stages tests benchmarks
+	$(BIN)/ruff format --check pipeline transports stages tests benchmarks
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -m "not soak" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/stagewire run configs/demo.yaml --input-file configs/demo-inputs.jsonl --requests 200 --concurrency 16
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/hops.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,382 @@
+"""The stage actor: one replica of one stage, holding its requests, channels and handler.
+
+Chunks are filed into a reorder buffer per (request, input edge) as they arrive. A
+request's handler starts once the orchestrator admitted it and its first chunk is here,
+under the replica's ``max_concurrency`` limit. The handler's outputs become chunks on the
+outgoing edges. Completion, failure and abort all end in :meth:`StageActor.forget`, which
+releases everything held for the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import structlog
+
+from pipeline._batching import Batcher
+from pipeline._channel import InputChannel, Item, OutputChannel, SendTarget
+from pipeline._codec import codec_for
+from pipeline._encoded import Encoded
+from pipeline._errors import (
+    EndOfChannel,
+    FailureInfo,
+    PayloadError,
+    RequestAborted,
+    error_to_failure,
+)
+from pipeline._keys import CLIENT
+from pipeline._latency import LatencyRecorder
+from pipeline._messages import Chunk, Credit, DataMessage, Peer, PeerTable
+from pipeline._reorder import ReorderBuffer
+from pipeline._signature import EdgePlan, StagePlan
+from pipeline._stage import Context, Outputs, Stage, Stream
+
+__all__ = ("StageActor",)
+
+log = structlog.get_logger("stagewire.actor")
+_decode_data = msgspec.msgpack.Decoder(DataMessage).decode  # type: ignore[arg-type]  # a union
+
+#: How many finished request ids a replica remembers, to discard their late chunks.
+FINISHED_MEMORY = 65536
+
+
+class _Request:
+    __slots__ = (
+        "buffers",
+        "created",
+        "ctx",
+        "granted",
+        "request_id",
+        "route",
+        "started",
+        "task",
+        "taken",
+    )
+
+    def __init__(self, request_id: str, buffers: dict[str, ReorderBuffer[Item]]) -> None:
+        self.request_id = request_id
+        self.route: dict[str, int] | None = None
+        self.buffers = buffers
+        self.task: asyncio.Task[None] | None = None
+        self.ctx: Context | None = None
+        self.started = False
+        self.created = time.monotonic()
+        self.taken: dict[str, int] = {}
+        self.granted: dict[str, int] = {}
+
+
+class StageActor:
+    """One replica of one stage inside its worker process."""
+
+    def __init__(
+        self,
+        plan: StagePlan,
+        instance: Stage,
+        *,
+        replica: int,
+        host: str,
+        endpoint: str,
+        send: Callable[[str, list[bytes]], None],
+        report_failure: Callable[[FailureInfo], None],
+    ) -> None:
+        self.plan = plan
+        self.stage = plan.name
+        self.replica = replica
+        self.instance = instance
+        self._report_failure = report_failure
+        self._inputs_by_edge: dict[str, tuple[str, InputChannel]] = {
+            e.name: (param, InputChannel(e, host=host, send=send))
+            for param, e in plan.inputs.items()
+        }
+        self._outputs: dict[str, OutputChannel] = {
+            dst: OutputChannel(e, host=host, endpoint=endpoint, send=send)
+            for dst, e in plan.outputs.items()
+        }
+        self._outputs_by_edge = {c.plan.name: c for c in self._outputs.values()}
+        self._peers: PeerTable = {}
+        self._client: Peer | None = None
+        self._requests: dict[str, _Request] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._sem = asyncio.Semaphore(plan.spec.max_concurrency)
+        self._streaming_out = plan.signature.streaming_output
+        self._per_dest = plan.signature.per_destination is not None
+        self._batcher: Batcher | None = None
+        if plan.signature.batched and plan.spec.max_batch_size > 1:
+            self._batcher = Batcher(
+                instance, plan.spec.max_batch_size, plan.spec.max_wait_ms / 1000
+            )
+        self._chunk_timeout = max(e.chunk_timeout for e in plan.inputs.values())
+        self.latency = LatencyRecorder()
+        self.counts = dict.fromkeys(
+            ("started", "completed", "failed", "aborted", "garbage", "late", "duplicates"), 0
+        )
+
+    # ---- peers and control ---------------------------------------------------------------
+
+    def set_peers(self, peers: PeerTable, client: Peer | None = None) -> None:
+        """Learn where every replica (and the client) receives data."""
+        self._peers = peers
+        if client is not None:
+            self._client = client
+
+    def _target(self, dst: str, route: dict[str, int]) -> SendTarget:
+        if dst == CLIENT:
+            assert self._client is not None
+            return SendTarget(self._client.endpoint, self._client.host)
+        peer = self._peers[dst][route[dst]]
+        return SendTarget(peer.endpoint, peer.host)
+
+    def admit(self, request_id: str, route: dict[str, int]) -> None:
+        """Expect ``request_id``; its handler starts when its first chunk is here."""
+        if request_id in self._finished:
+            return
+        req = self._request(request_id)
+        req.route = route
+        self._maybe_start(req)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Cancel a request's handler and release everything held for it."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            self.counts["aborted"] += 1
+            self.forget(request_id, RequestAborted(request_id, reason))
+        else:
+            self._remember(request_id)
+
+    def forget(self, request_id: str, exc: BaseException | None = None) -> None:
+        """Drop every trace of a request: handler, buffers, credit windows."""
+        req = self._requests.pop(request_id, None)
+        self._remember(request_id)
+        if req is None:
+            return
+        if req.ctx is not None:
+            req.ctx.cancel()
+        if req.task is not None and not req.task.done():
+            req.task.cancel()
+        for buf in req.buffers.values():
+            if exc is not None:
+                buf.abort(exc)
+            else:
+                buf.close()
+        for out in self._outputs.values():
+            out.forget(request_id, str(exc) if exc else None)
+
+    def _remember(self, request_id: str) -> None:
+        self._finished[request_id] = None
+        if len(self._finished) > FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+
+    # ---- data ----------------------------------------------------------------------------
+
+    def on_data(self, frames: list[bytes]) -> None:
+        """Handle one message from the data socket; garbage is counted and dropped."""
+        if len(frames) != 1:
+            self.counts["garbage"] += 1
+            return
+        try:
+            msg = _decode_data(frames[0])
+        except msgspec.DecodeError:
+            self.counts["garbage"] += 1
+            if self.counts["garbage"] in (1, 10, 100, 1000):
+                log.warning("garbage_dropped", stage=self.stage, count=self.counts["garbage"])
+            return
+        if isinstance(msg, Credit):
+            out = self._outputs_by_edge.get(msg.edge)
+            if out is not None:
+                out.on_credit(msg)
+            return
+        self._on_chunk(msg)
+
+    def _on_chunk(self, chunk: Chunk) -> None:
+        entry = self._inputs_by_edge.get(chunk.key.edge)
+        if entry is None:
+            self.counts["garbage"] += 1
+            return
+        _, channel = entry
+        try:
+            item = channel.admit(chunk)
+        except Exception:
+            self.counts["garbage"] += 1
+            return
+        rid = chunk.key.request_id
+        if rid in self._finished:
+            self.counts["late"] += 1
+            channel.discard(item)
+            return
+        req = self._request(rid)
+        if not req.buffers[chunk.key.edge].offer(chunk.key.seq, item, chunk.final):
+            self.counts["duplicates"] += 1
+        self._maybe_start(req)
+
+    def _request(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            buffers: dict[str, ReorderBuffer[Item]] = {
+                edge: ReorderBuffer(
+                    request_id, edge, chunk_timeout=ch.plan.chunk_timeout, on_discard=ch.discard
+                )
+                for edge, (_, ch) in self._inputs_by_edge.items()
+            }
+            req = self._requests[request_id] = _Request(request_id, buffers)
+        return req
+
+    def _maybe_start(self, req: _Request) -> None:
+        if req.started or req.route is None:
+            return
+        if not any(buf.buffered or buf.delivered for buf in req.buffers.values()):
+            return
+        req.started = True
+        req.ctx = Context(req.request_id, self.stage, self.replica)
+        req.task = asyncio.get_running_loop().create_task(self._run(req, req.ctx))
+
+    # ---- the handler ---------------------------------------------------------------------
+
+    async def _next(self, req: _Request, edge: str) -> Any:
+        _, channel = self._inputs_by_edge[edge]
+        item, final = await req.buffers[edge].get()
+        if item.descriptor is None:
+            if final:
+                raise EndOfChannel
+            raise PayloadError(f"chunk without payload on edge {edge!r} before its end")
+        value = await channel.fetch(item)
+        taken = req.taken[edge] = req.taken.get(edge, 0) + 1
+        if not final:
+            req.granted[edge] = channel.grant(
+                req.request_id, taken, item.sender, req.granted.get(edge, 0)
+            )
+        return value
+
+    async def _single(self, req: _Request, edge: EdgePlan) -> Any:
+        try:
+            return await self._next(req, edge.name)
+        except EndOfChannel:
+            raise PayloadError(
+                f"{edge.src!r} sent no payload on edge {edge.name!r} to {self.stage!r}"
+            ) from None
+
+    async def _run(self, req: _Request, ctx: Context) -> None:
+        rid = req.request_id
+        async with self._sem:
+            t0 = time.perf_counter()
+            self.counts["started"] += 1
+            try:
+                kwargs: dict[str, Any] = {}
+                for param, edge in self.plan.inputs.items():
+                    if param in self._stream_params:
+                        kwargs[param] = Stream(lambda e=edge.name: self._next(req, e))
+                    else:
+                        kwargs[param] = await self._single(req, edge)
+                await self._produce(req, ctx, kwargs)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.counts["failed"] += 1
+                if rid in self._requests:
+                    self._report_failure(error_to_failure(exc, stage=self.stage, request_id=rid))
+                    self.forget(rid, exc)
+                return
+            self.counts["completed"] += 1
+            self.latency.add((time.perf_counter() - t0) * 1e6)
+
+    @property
+    def _stream_params(self) -> set[str]:
+        return {i.name for i in self.plan.signature.inputs if i.streaming}
+
+    async def _produce(self, req: _Request, ctx: Context, kwargs: dict[str, Any]) -> None:
+        if self._batcher is not None:
+            (value,) = kwargs.values()
+            await self._emit(req, await self._batcher.submit(value, ctx), final=True)
+            return
+        process = self.instance.process  # type: ignore[attr-defined]  # user-defined
+        if self._streaming_out:
+            agen = process(**kwargs, ctx=ctx)
+            try:
+                async for value in agen:
+                    await self._emit(req, value, final=False)
+            finally:
+                await agen.aclose()
+            await self._end(req)
+        else:
+            await self._emit(req, await process(**kwargs, ctx=ctx), final=True)
+
+    async def _emit(self, req: _Request, value: Any, *, final: bool) -> None:
+        assert req.route is not None
+        if self._per_dest:
+            if not isinstance(value, Outputs):
+                raise PayloadError(
+                    f"stage {self.stage!r} must return {self.plan.signature.output_type.__name__}"
+                    f", got {type(value).__name__}"
+                )
+            for dst, out in self._outputs.items():
+                part = getattr(value, dst)
+                if part is not None:
+                    await out.send(
+                        req.request_id,
+                        self._encode(out.plan, part),
+                        final,
+                        self._target(dst, req.route),
+                    )
+                elif final:
+                    await out.send(req.request_id, None, True, self._target(dst, req.route))
+            return
+        encoded: Encoded | None = None
+        for dst, out in self._outputs.items():
+            if encoded is None:
+                encoded = self._encode(out.plan, value)
+            await out.send(req.request_id, encoded, final, self._target(dst, req.route))
+
+    def _encode(self, edge: EdgePlan, value: Any) -> Encoded:
+        return codec_for(edge.payload_type).encode(value)
+
+    async def _end(self, req: _Request) -> None:
+        assert req.route is not None
+        for dst, out in self._outputs.items():
+            await out.send(req.request_id, None, True, self._target(dst, req.route))
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def sweep(self, now: float) -> int:
+        """Forget requests whose chunks came but that were never admitted; how many."""
+        stale = [
+            rid
+            for rid, req in self._requests.items()
+            if req.route is None and now - req.created > self._chunk_timeout
+        ]
+        for rid in stale:
+            self.forget(rid, RequestAborted(rid, "never admitted"))
+        return len(stale)
+
+    @property
+    def inflight(self) -> int:
+        """Requests this replica holds state for."""
+        return len(self._requests)
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters of the replica, its handler and its edges."""
+        return {
+            "stage": self.stage,
+            "replica": self.replica,
+            "active": len(self._requests),
+            "open_windows": sum(o.open_windows for o in self._outputs.values()),
+            **self.counts,
+            "process_p50_us": self.latency.percentile(50),
+            "process_p99_us": self.latency.percentile(99),
+            "inputs": [ch.statistics() for _, ch in self._inputs_by_edge.values()],
+            "outputs": [o.statistics() for o in self._outputs.values()],
+        }
+
+    async def aclose(self) -> None:
+        """Abort every request and close every channel; idempotent."""
+        for rid in list(self._requests):
+            self.forget(rid, RequestAborted(rid, "stage shutting down"))
+        if self._batcher is not None:
+            await self._batcher.aclose()
+        for out in self._outputs.values():
+            await out.aclose()
+        for _, ch in self._inputs_by_edge.values():
+            await ch.aclose()

@@ -1,0 +1,250 @@
+"""The embedding API: ``async with Pipeline(spec) as pipe: await pipe.submit(x)``.
+
+An embedded pipeline runs the master in the caller's event loop and starts one local
+worker process per stage replica, through the same entry point as ``stagewire worker``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Mapping
+from types import TracebackType
+from typing import Any, Self
+
+import structlog
+
+from pipeline._config import PipelineSpec
+from pipeline._errors import EndOfChannel, PayloadError
+from pipeline._launcher import LocalLauncher
+from pipeline._master import Master
+from pipeline._orchestrator import ClientRequest
+from pipeline._signature import PipelinePlan, build_plan
+
+__all__ = ("Pipeline", "ResponseStream", "SinkOutput")
+
+log = structlog.get_logger("stagewire.pipeline")
+
+
+class SinkOutput:
+    """One output chunk of a pipeline with several sinks: which sink, and its payload."""
+
+    __slots__ = ("stage", "value")
+
+    def __init__(self, stage: str, value: Any) -> None:
+        self.stage = stage
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"SinkOutput({self.stage!r}, {self.value!r})"
+
+
+class ResponseStream:
+    """The outputs of one request, in order; leaving early aborts the request everywhere.
+
+    Use as ``async for chunk in pipe.stream(x)``, or as an async context manager to read
+    :attr:`request_id` before the first chunk.
+    """
+
+    def __init__(self, pipe: Pipeline, inputs: dict[str, Any]) -> None:
+        self._pipe = pipe
+        self._inputs = inputs
+        self._req: ClientRequest | None = None
+        self._done = False
+
+    @property
+    def request_id(self) -> str | None:
+        """The request's id once started."""
+        return self._req.request_id if self._req else None
+
+    async def start(self) -> str:
+        """Submit the request now; returns its id.
+
+        Raises:
+            PayloadError: the input does not match the source stage's type.
+            StageUnavailable: a stage has no ready replica.
+        """
+        if self._req is None:
+            self._req = await self._pipe._master_or_fail().orch.start(self._inputs)
+        return self._req.request_id
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        """The next output chunk.
+
+        Raises:
+            StopAsyncIteration: every sink sent its final chunk.
+            StageError: a stage raised for this request.
+            StageUnavailable: a replica bound to this request died.
+            ChunkGap: a chunk went missing past ``chunk_timeout``.
+            PayloadError: a payload did not match its declared type.
+            RequestTimeout: the request passed its deadline.
+        """
+        if self._done:
+            raise StopAsyncIteration
+        await self.start()
+        assert self._req is not None
+        orch = self._pipe._master_or_fail().orch
+        try:
+            sink, value = await orch.next_output(self._req)
+        except EndOfChannel:
+            self._done = True
+            raise StopAsyncIteration from None
+        except BaseException:
+            self._done = True
+            await self.aclose()
+            raise
+        if len(orch.plan.sinks) > 1:
+            return SinkOutput(sink, value)
+        return value
+
+    async def aclose(self) -> None:
+        """Abort the request if it has not finished; idempotent."""
+        self._done = True
+        if self._req is not None and self._pipe._master is not None:
+            self._pipe._master.orch.abort(self._req.request_id, "cancelled by client")
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class Pipeline:
+    """A running pipeline: an embedded master plus one worker process per replica."""
+
+    def __init__(self, spec: PipelineSpec | Mapping[str, Any], *, source: str | None = None):
+        """Check the spec and every edge's types; starts nothing.
+
+        Raises:
+            ConfigError: the spec is invalid or an edge's types do not match.
+        """
+        self.spec = spec if isinstance(spec, PipelineSpec) else PipelineSpec.from_dict(spec)
+        self.plan: PipelinePlan = build_plan(self.spec, source=source)
+        self._master: Master | None = None
+        self._launcher: LocalLauncher | None = None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> Pipeline:
+        """Load, validate and type-check a YAML pipeline; starts nothing.
+
+        Raises:
+            ConfigError: naming the file, field and line.
+        """
+        return cls(PipelineSpec.from_yaml(path), source=os.fspath(path))
+
+    def _master_or_fail(self) -> Master:
+        if self._master is None:
+            raise RuntimeError("the pipeline is not running: use 'async with Pipeline(...)'")
+        return self._master
+
+    @property
+    def master_endpoint(self) -> str:
+        """The control endpoint workers register with."""
+        return self._master_or_fail().endpoint
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Pids of the local worker processes still running."""
+        return self._launcher.pids if self._launcher else []
+
+    async def start(self, *, launch: bool = True) -> None:
+        """Start the master and (unless ``launch`` is false) every local worker.
+
+        Raises:
+            StageUnavailable: replicas did not become ready within ``startup_timeout``.
+            PipelineError: a stage failed to import or set up.
+        """
+        self._master = Master(self.plan)
+        await self._master.start()
+        if launch:
+            self._launcher = LocalLauncher(
+                self.spec,
+                self._master.endpoint,
+                lambda s, k, code: self._master_or_fail().replica_lost(
+                    s, k, f"exited with code {code}"
+                ),
+            )
+        try:
+            if self._launcher is not None:
+                await self._launcher.start_all()
+            await self._master.wait_ready(self.spec.defaults.startup_timeout)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _inputs(self, value: Any) -> dict[str, Any]:
+        sources = self.plan.sources
+        if len(sources) == 1:
+            return {sources[0]: value}
+        if not isinstance(value, Mapping) or set(value) != set(sources):
+            raise PayloadError(f"this pipeline has several sources; pass a dict keyed {sources}")
+        return dict(value)
+
+    def stream(self, value: Any) -> ResponseStream:
+        """Submit ``value`` and iterate over every sink chunk, in order."""
+        return ResponseStream(self, self._inputs(value))
+
+    async def submit(self, value: Any) -> Any:
+        """Submit ``value`` and return the final sink output (a dict per sink if several).
+
+        Raises:
+            StageError: a stage raised for this request.
+            StageUnavailable: a replica bound to this request died.
+            ChunkGap: a chunk went missing past ``chunk_timeout``.
+            PayloadError: the input or a payload did not match its declared type.
+            RequestTimeout: the request passed its deadline.
+            RequestAborted: the request was aborted.
+        """
+        last: dict[str, Any] = {}
+        stream = self.stream(value)
+        try:
+            async for chunk in stream:
+                if isinstance(chunk, SinkOutput):
+                    last[chunk.stage] = chunk.value
+                else:
+                    last[self.plan.sinks[0]] = chunk
+        finally:
+            await stream.aclose()
+        if len(self.plan.sinks) == 1:
+            return last.get(self.plan.sinks[0])
+        return last
+
+    async def abort(self, request_id: str, reason: str = "aborted by client") -> bool:
+        """Cancel a request in every stage; False if it had already ended."""
+        return self._master_or_fail().orch.abort(request_id, reason)
+
+    async def statistics(self) -> dict[str, Any]:
+        """Counters of the client side and of every replica (asks each worker)."""
+        master = self._master_or_fail()
+        return {
+            "client": master.orch.statistics(),
+            "replicas": await master.collect_statistics(),
+            "garbage": master.garbage,
+        }
+
+    async def aclose(self) -> None:
+        """Shut every worker down and stop the master; idempotent."""
+        master, self._master = self._master, None
+        if master is not None:
+            await master.aclose()
+        launcher, self._launcher = self._launcher, None
+        if launcher is not None:
+            await launcher.aclose()
+
+

@@ -1,0 +1,290 @@
+"""Typed channels: the two ends of one edge inside the stage processes.
+
+:class:`OutputChannel` (producer side) numbers each request's chunks, waits for credit,
+puts the payload through the edge's transport and sends the envelope. :class:`InputChannel`
+(consumer side) fetches and decodes payloads from descriptors and returns credit.
+
+Flow control is a window of chunks per (request, edge): a producer may run at most
+``window`` chunks ahead of what the consumer's handler has taken. Windows are per request,
+so a request whose consumer has not started yet never starves another request's stream,
+and memory held for an edge is bounded by ``window`` chunks per admitted request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from pipeline._codec import codec_for
+from pipeline._encoded import Encoded
+from pipeline._errors import RequestAborted, TransportError
+from pipeline._keys import ChunkKey
+from pipeline._latency import LatencyRecorder
+from pipeline._messages import NO_DESCRIPTOR, Chunk, Credit
+from pipeline._signature import EdgePlan
+from transports._protocol import Descriptor, EdgeContext, TransportReceiver, TransportSender
+from transports._registry import AUTO, create_transport
+from transports.auto import AutoPolicy
+
+__all__ = ("InputChannel", "Item", "OutputChannel", "SendTarget")
+
+_encode_raw = msgspec.msgpack.Encoder().encode
+_encode_msg = msgspec.msgpack.Encoder().encode
+
+
+@dataclass(frozen=True, slots=True)
+class SendTarget:
+    """The consumer replica of one request on one edge."""
+
+    endpoint: str
+    host: str
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """A received chunk as filed in a reorder buffer: where its payload is."""
+
+    transport: str
+    descriptor: Descriptor | None
+    sender: str
+
+
+class _Window:
+    __slots__ = ("allowed", "next_seq", "waiter")
+
+    def __init__(self, window: int) -> None:
+        self.next_seq = 0
+        self.allowed = window
+        self.waiter: asyncio.Future[None] | None = None
+
+
+class OutputChannel:
+    """The producer's end of one edge."""
+
+    def __init__(
+        self,
+        plan: EdgePlan,
+        *,
+        host: str,
+        endpoint: str,
+        send: Callable[[str, list[bytes]], None],
+    ) -> None:
+        self.plan = plan
+        self._host = host
+        self._endpoint = endpoint
+        self._send = send
+        self._windows: dict[str, _Window] = {}
+        ctx = EdgeContext(plan.name, host, plan.transport.options, plan.inline_threshold)
+        kind = plan.transport.kind
+        self._auto = kind == AUTO
+        names = AutoPolicy(plan.inline_threshold, True).candidates() if self._auto else (kind,)
+        self._senders: dict[str, TransportSender] = {
+            name: create_transport(name, {} if self._auto else plan.transport.options).open_sender(
+                ctx
+            )
+            for name in names
+        }
+        self._fixed = None if self._auto else self._senders[kind]
+        self.chunks = 0
+        self.bytes = 0
+        self.fallbacks = 0
+        self.used: dict[str, int] = {}
+
+    def _window(self, request_id: str) -> _Window:
+        win = self._windows.get(request_id)
+        if win is None:
+            win = self._windows[request_id] = _Window(self.plan.window)
+        return win
+
+    async def send(
+        self, request_id: str, encoded: Encoded | None, final: bool, target: SendTarget
+    ) -> None:
+        """Send one chunk of ``request_id``, waiting for credit first.
+
+        ``encoded`` of ``None`` sends a payload-less final chunk: the end of a stream.
+
+        Raises:
+            RequestAborted: the request was aborted while waiting for credit.
+            TransportError: the transport could not store the payload.
+        """
+        win = self._window(request_id)
+        while win.next_seq >= win.allowed:
+            win.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await win.waiter
+            finally:
+                win.waiter = None
+        seq = win.next_seq
+        win.next_seq += 1
+        key = ChunkKey(request_id, self.plan.name, seq)
+        if encoded is None:
+            name, raw = "", NO_DESCRIPTOR
+        else:
+            name, sender = self._choose(encoded, target)
+            descriptor = await sender.put(key, encoded, timeout=self.plan.chunk_timeout)
+            raw = msgspec.Raw(_encode_raw(descriptor))
+            self.bytes += encoded.nbytes
+            self.used[name] = self.used.get(name, 0) + 1
+        self.chunks += 1
+        msg = Chunk(key, final, name, raw, self._endpoint, self._host, time.monotonic_ns())
+        self._send(target.endpoint, [_encode_msg(msg)])
+
+    def _choose(self, encoded: Encoded, target: SendTarget) -> tuple[str, TransportSender]:
+        if self._fixed is not None:
+            return self.plan.transport.kind, self._fixed
+        policy = AutoPolicy(self.plan.inline_threshold, target.host == self._host)
+        name, fell_back = policy.choose(encoded.nbytes)
+        if fell_back:
+            self.fallbacks += 1
+        return name, self._senders[name]
+
+    def on_credit(self, credit: Credit) -> None:
+        """Apply credit from the consumer: chunks below ``upto`` were taken."""
+        win = self._windows.get(credit.request_id)
+        if win is None:
+            return
+        allowed = credit.upto + self.plan.window
+        if allowed > win.allowed:
+            win.allowed = allowed
+            if win.waiter is not None and not win.waiter.done():
+                win.waiter.set_result(None)
+
+    def forget(self, request_id: str, reason: str | None = None) -> None:
+        """Drop a request's window, failing a sender that waits on it."""
+        win = self._windows.pop(request_id, None)
+        if win is not None and win.waiter is not None and not win.waiter.done():
+            win.waiter.set_exception(RequestAborted(request_id, reason or "finished"))
+
+    @property
+    def open_windows(self) -> int:
+        """Requests with credit state on this edge."""
+        return len(self._windows)
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters for this edge's producer side."""
+        return {
+            "edge": self.plan.name,
+            "chunks": self.chunks,
+            "bytes": self.bytes,
+            "fallbacks": self.fallbacks,
+            "transport": self.plan.transport.kind,
+            "used": dict(self.used),
+        }
+
+    async def aclose(self) -> None:
+        """Close every transport end; idempotent."""
+        for request_id in list(self._windows):
+            self.forget(request_id, "channel closed")
+        for sender in self._senders.values():
+            await sender.aclose()
+
+
+class InputChannel:
+    """The consumer's end of one edge."""
+
+    def __init__(
+        self,
+        plan: EdgePlan,
+        *,
+        host: str,
+        send: Callable[[str, list[bytes]], None],
+    ) -> None:
+        self.plan = plan
+        self._host = host
+        self._send = send
+        self._codec = codec_for(plan.payload_type)
+        self._ctx = EdgeContext(plan.name, host, plan.transport.options, plan.inline_threshold)
+        kind = plan.transport.kind
+        self._allowed = (
+            set(AutoPolicy(plan.inline_threshold, True).candidates()) if kind == AUTO else {kind}
+        )
+        self._receivers: dict[str, TransportReceiver] = {}
+        self._credit_step = max(1, plan.window // 2)
+        self.hop = LatencyRecorder()
+        self.chunks = 0
+
+    def receiver(self, name: str) -> TransportReceiver:
+        """The receiving end of transport ``name`` on this edge, opened on first use.
+
+        Raises:
+            TransportError: this edge does not carry payloads by ``name``.
+        """
+        recv = self._receivers.get(name)
+        if recv is None:
+            if name not in self._allowed:
+                raise TransportError(
+                    f"edge {self.plan.name!r} does not use transport {name!r} "
+                    f"(allowed: {sorted(self._allowed)})"
+                )
+            options = self.plan.transport.options if self.plan.transport.kind == name else {}
+            recv = create_transport(name, options).open_receiver(self._ctx)
+            self._receivers[name] = recv
+        return recv
+
+    def admit(self, chunk: Chunk) -> Item:
+        """Parse a chunk's descriptor and note its hop latency.
+
+        Raises:
+            TransportError: the descriptor is not valid for its transport.
+        """
+        self.chunks += 1
+        if chunk.host == self._host:
+            self.hop.add((time.monotonic_ns() - chunk.sent_ns) / 1000)
+        if not chunk.transport:
+            return Item("", None, chunk.sender)
+        desc = self.receiver(chunk.transport).decode_descriptor(chunk.descriptor)
+        return Item(chunk.transport, desc, chunk.sender)
+
+    async def fetch(self, item: Item) -> Any:
+        """Materialise and decode an item's payload, then release the transport's hold.
+
+        Raises:
+            TransportError: the payload could not be fetched.
+            PayloadError: the payload does not match the edge's type.
+        """
+        assert item.descriptor is not None
+        recv = self.receiver(item.transport)
+        try:
+            encoded = await recv.get(item.descriptor)
+            return self._codec.decode(encoded)
+        finally:
+            await recv.release(item.descriptor)
+
+    def discard(self, item: Item) -> None:
+        """Release an item that will never be consumed (duplicate, aborted, late)."""
+        if item.descriptor is None:
+            return
+        recv = self._receivers.get(item.transport)
+        if recv is not None:
+            task = asyncio.get_running_loop().create_task(recv.release(item.descriptor))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+
+    def grant(self, request_id: str, taken: int, sender: str, granted: int) -> int:
+        """Return credit to ``sender`` once enough chunks were taken; the new granted mark."""
+        if taken - granted >= self._credit_step:
+            self._send(sender, [_encode_msg(Credit(request_id, self.plan.name, taken))])
+            return taken
+        return granted
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters for this edge's consumer side."""
+        return {
+            "edge": self.plan.name,
+            "chunks": self.chunks,
+            "hop_p50_us": self.hop.percentile(50),
+            "hop_p99_us": self.hop.percentile(99),
+        }
+
+    async def aclose(self) -> None:
+        """Close every transport end; idempotent."""
+        for recv in self._receivers.values():
+            await recv.aclose()
+
+
+_background: set[asyncio.Task[None]] = set()

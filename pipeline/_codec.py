@@ -1,0 +1,337 @@
+"""The wire codec: payloads to :class:`Encoded` (a msgpack header plus raw buffers) and back.
+
+Tensors and numpy arrays never pass through msgpack as data. Each one becomes a msgpack
+extension record in the header (its dtype, shape, device and the index of its buffer),
+and its bytes travel out of band in ``Encoded.buffers``: a contiguous CPU tensor is sent
+as a view of its own memory, and a writable buffer is decoded without a copy. Because the
+record is an extension type, tensors survive fields typed ``Any`` as well as typed ones.
+Nothing is ever pickled.
+
+torch and numpy are imported lazily, so a stage that moves no tensors never pays for them.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import sys
+import threading
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from ._encoded import Buffer, Encoded
+from ._errors import PayloadError
+
+__all__ = ("PayloadCodec", "codec_for")
+
+T = TypeVar("T")
+
+_EXT_TENSOR = 1
+_EXT_NDARRAY = 2
+
+
+class _Ref(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
+    """The header's stand-in for one tensor or array: what its buffer holds, and where."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    index: int
+    device: str = "cpu"
+
+
+_REF_ENCODER = msgspec.msgpack.Encoder()
+_REF_DECODER = msgspec.msgpack.Decoder(_Ref)
+
+
+class _CallState(threading.local):
+    """The buffers of the encode or decode in progress on this thread.
+
+    msgspec's hooks are fixed when the encoder is built, so the buffers of the current call
+    reach them through here; a thread-local keeps codecs shared between threads safe.
+    """
+
+    outgoing: list[Buffer] | None = None
+    incoming: tuple[Buffer, ...] = ()
+
+
+_state = _CallState()
+
+
+class _Unencodable(TypeError):
+    """An object msgspec cannot encode; carries it so :meth:`PayloadCodec.encode` can find it."""
+
+    def __init__(self, obj: object, reason: str) -> None:
+        self.obj = obj
+        self.reason = reason
+        super().__init__(reason)
+
+
+def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], str, Buffer]:
+    """Describe tensor ``t`` and expose its bytes, copying only when it is not contiguous on CPU."""
+    torch = sys.modules["torch"]
+    if t.layout != torch.strided:
+        raise _Unencodable(t, f"{t.layout} tensors are not supported")
+    if t.is_quantized:
+        raise _Unencodable(t, "quantized tensors are not supported")
+    if t.is_meta:
+        raise _Unencodable(t, "meta tensors have no data to send")
+    device = str(t.device)
+    # resolve_conj and resolve_neg are no-ops unless a lazy bit is set, which view() refuses.
+    t = t.detach().cpu().resolve_conj().resolve_neg()
+    # A complex tensor is copied, if at all, as its (real, imag) pairs: the same bytes, and
+    # allocating a complex32 tensor makes torch warn.
+    src = (torch.view_as_real(t) if t.is_complex() else t).contiguous()
+    # A contiguous tensor may still carry any stride on a dimension of size 1, which
+    # reshape keeps and view refuses; its elements are dense, so as_strided is exact.
+    # Viewing as uint8 gives numpy a dtype it knows (bfloat16 and float8 have none); the
+    # array's base is a tensor sharing the storage, so the buffer keeps the bytes alive.
+    flat = src.as_strided((src.numel(),), (1,)).view(torch.uint8).numpy()
+    return str(t.dtype).removeprefix("torch."), tuple(t.shape), device, memoryview(flat)
+
+
+def _array_bytes(a: Any) -> tuple[str, tuple[int, ...], str, Buffer]:
+    """Describe numpy array ``a`` and expose its bytes, copying only when not contiguous."""
+    np = sys.modules["numpy"]
+    if a.dtype.hasobject:
+        raise _Unencodable(a, "numpy arrays of Python objects are not supported")
+    if type(a).__module__.startswith("numpy.ma"):
+        raise _Unencodable(a, "masked arrays are not supported; send data and mask separately")
+    # Not ascontiguousarray: it turns a 0-d array into a 1-d one.
+    a = a if a.flags.c_contiguous else a.copy(order="C")
+    descr = np.lib.format.dtype_to_descr(a.dtype)
+    name = descr if isinstance(descr, str) else repr(descr)
+    # Dtypes of item size zero cannot be viewed as bytes; there are no bytes to send anyway.
+    buf: Buffer = memoryview(a.reshape(-1).view(np.uint8)) if a.nbytes else b""
+    return name, a.shape, "cpu", buf
+
+
+def _enc_hook(obj: Any) -> Any:
+    """Replace a tensor or array by an extension record and queue its bytes as a buffer."""
+    if type(obj).__module__.startswith("torch") and isinstance(obj, sys.modules["torch"].Tensor):
+        code, (dtype, shape, device, buf) = _EXT_TENSOR, _tensor_bytes(obj)
+    elif (np := sys.modules.get("numpy")) is not None and isinstance(obj, np.ndarray):
+        code, (dtype, shape, device, buf) = _EXT_NDARRAY, _array_bytes(obj)
+    elif np is not None and isinstance(obj, np.generic):
+        raise _Unencodable(obj, "numpy scalars are not supported; use .item() or a 0-d array")
+    else:
+        raise _Unencodable(obj, f"objects of type {type(obj).__qualname__} are not supported")
+    out = _state.outgoing
+    if out is None:
+        out = _state.outgoing = []
+    out.append(buf)
+    ref = _Ref(dtype, shape, len(out) - 1, device)
+    return msgspec.msgpack.Ext(code, _REF_ENCODER.encode(ref))
+
+
+def _buffer_for(ref: _Ref, itemsize: int) -> memoryview:
+    """The buffer ``ref`` points at, checked for size, as a writable flat byte view."""
+    buffers = _state.incoming
+    if not 0 <= ref.index < len(buffers):
+        raise PayloadError(f"buffer {ref.index} is referenced but only {len(buffers)} were sent")
+    if any(n < 0 for n in ref.shape):
+        raise PayloadError(f"invalid shape {ref.shape} for buffer {ref.index}")
+    view = memoryview(buffers[ref.index])
+    expected = math.prod(ref.shape) * itemsize
+    if view.nbytes != expected:
+        raise PayloadError(
+            f"buffer {ref.index} holds {view.nbytes} bytes but a {ref.dtype} array of shape "
+            f"{ref.shape} needs {expected}"
+        )
+    # Decoded tensors and arrays must be writable, and torch warns on read-only memory, so
+    # a read-only buffer is copied once; a writable one is shared.
+    if view.readonly or not view.c_contiguous:
+        return memoryview(bytearray(view))
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _decode_tensor(ref: _Ref) -> Any:
+    """Rebuild the tensor ``ref`` describes, on the device it was sent from."""
+    import torch
+
+    dtype = getattr(torch, ref.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise PayloadError(f"unknown tensor dtype {ref.dtype!r}")
+    view = _buffer_for(ref, dtype.itemsize)
+    # frombuffer refuses empty buffers; an empty uint8 tensor viewed as ``dtype`` also avoids
+    # allocating dtypes (complex32) whose constructors warn.
+    raw = (
+        torch.frombuffer(view, dtype=torch.uint8)
+        if view.nbytes
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    t = raw.view(dtype).reshape(ref.shape)
+    if ref.device == "cpu":
+        return t
+    try:
+        return t.to(ref.device)
+    # torch raises AssertionError, not RuntimeError, when it was built without CUDA.
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise PayloadError(
+            f"a tensor was sent from device {ref.device!r}, which this process cannot use: {e}"
+        ) from e
+
+
+def _decode_array(ref: _Ref) -> Any:
+    """Rebuild the numpy array ``ref`` describes."""
+    import numpy as np
+
+    try:
+        if ref.dtype.startswith("["):
+            # A structured dtype travels as the repr of its descr, as in the .npy format.
+            dtype = np.lib.format.descr_to_dtype(ast.literal_eval(ref.dtype))
+        else:
+            dtype = np.dtype(ref.dtype)
+    except (ValueError, TypeError, SyntaxError) as e:
+        raise PayloadError(f"unknown array dtype {ref.dtype!r}") from e
+    if dtype.hasobject:
+        raise PayloadError("numpy arrays of Python objects are not accepted")
+    view = _buffer_for(ref, dtype.itemsize)
+    if not view.nbytes:
+        return np.empty(ref.shape, dtype)
+    return np.frombuffer(view, dtype).reshape(ref.shape)
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    """Turn an extension record from the header back into a tensor or array."""
+    try:
+        ref = _REF_DECODER.decode(data)
+    except msgspec.DecodeError as e:
+        raise PayloadError(f"malformed buffer reference in header: {e}") from e
+    if code == _EXT_TENSOR:
+        return _decode_tensor(ref)
+    if code == _EXT_NDARRAY:
+        return _decode_array(ref)
+    raise PayloadError(f"unknown extension type {code} in header")
+
+
+def _dec_hook(type_: Any, obj: Any) -> Any:
+    """Accept ``obj`` for a field of a custom type (a tensor or array) if it is one already.
+
+    The extension hook has rebuilt tensors and arrays before msgspec asks about the field's
+    type, so there is nothing to convert, only a kind to check.
+    """
+    if isinstance(type_, type) and isinstance(obj, type_):
+        return obj
+    name = getattr(type_, "__qualname__", repr(type_))
+    raise TypeError(f"Expected `{name}`, got `{type(obj).__name__}`")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def _locate(value: Any, target: object, path: str = "$") -> str | None:
+    """The path of ``target`` inside ``value`` (``$.items[2]``), found by identity, or None."""
+    if value is target:
+        return path
+    if isinstance(value, msgspec.Struct):
+        children: Any = ((f"{path}.{f}", getattr(value, f)) for f in value.__struct_fields__)
+    elif isinstance(value, dict):
+        children = ((f"{path}[{k!r}]", v) for k, v in value.items())
+    elif isinstance(value, list | tuple | set | frozenset):
+        children = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for child_path, child in children:
+        if (found := _locate(child, target, child_path)) is not None:
+            return found
+    return None
+
+
+def _encode_error(value: Any, e: Exception) -> PayloadError:
+    """The PayloadError for an encode failure, naming the offending field where it is found."""
+    if not isinstance(e, _Unencodable):
+        return PayloadError(f"cannot encode payload: {e}")
+    where = _locate(value, e.obj)
+    at = f" at `{where}`" if where else ""
+    return PayloadError(f"cannot encode payload{at}: {e.reason}", field=where)
+
+
+class PayloadCodec(Generic[T]):
+    """Encodes values of one declared type to :class:`Encoded`, and decodes them back.
+
+    Args:
+        type_: the declared payload type: a ``msgspec.Struct`` class, any type msgspec can
+            decode, or ``Any``.
+    """
+
+    __slots__ = ("_check", "_decoder", "type")
+
+    def __init__(self, type_: type[T] | Any) -> None:
+        self.type = type_
+        # Only a plain class can be checked with isinstance; generics and Any cannot.
+        self._check: type | None = type_ if isinstance(type_, type) and type_ is not Any else None
+        try:
+            self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(
+                type_, ext_hook=_ext_hook, dec_hook=_dec_hook
+            )
+        except TypeError as e:
+            raise PayloadError(f"cannot build a codec for {type_!r}: {e}") from e
+
+    def encode(self, value: T) -> Encoded:
+        """Encode ``value``, sharing the memory of contiguous CPU tensors and arrays.
+
+        Raises:
+            PayloadError: ``value`` is not of the declared type, or holds an object that
+                cannot be encoded (the message names where).
+        """
+        check = self._check
+        if check is not None and not isinstance(value, check):
+            raise PayloadError(f"expected {check.__qualname__}, got {type(value).__qualname__}")
+        # Only the encode hook sets ``outgoing``, and every exit below clears it again, so
+        # a payload without tensors touches the thread-local state once.
+        try:
+            header = _ENCODER.encode(value)
+        except (TypeError, ValueError, OverflowError) as e:
+            _state.outgoing = None
+            raise _encode_error(value, e) from e
+        except BaseException:
+            _state.outgoing = None
+            raise
+        out = _state.outgoing
+        if out is None:
+            return Encoded(header)
+        _state.outgoing = None
+        return Encoded(header, tuple(out))
+
+    def decode(self, encoded: Encoded) -> T:
+        """Decode ``encoded`` as the declared type, sharing writable buffers' memory.
+
+        Raises:
+            PayloadError: the header is malformed, a buffer is missing or of the wrong size,
+                or the payload does not match the declared type (``field`` names where).
+        """
+        buffers = encoded.buffers
+        # A header that references buffers when none were sent finds ``incoming`` empty,
+        # since every decode that sets it clears it again.
+        if buffers:
+            _state.incoming = buffers
+        try:
+            return self._decoder.decode(encoded.header)
+        except msgspec.ValidationError as e:
+            message = str(e)
+            _, sep, rest = message.rpartition(" - at `")
+            field = rest[:-1] if sep else None
+            raise PayloadError(f"invalid {self._name()} payload: {message}", field=field) from e
+        except msgspec.DecodeError as e:
+            raise PayloadError(f"malformed {self._name()} payload header: {e}") from e
+        finally:
+            if buffers:
+                _state.incoming = ()
+
+    def _name(self) -> str:
+        return self._check.__qualname__ if self._check is not None else repr(self.type)
+
+    def __repr__(self) -> str:
+        return f"PayloadCodec({self._name()})"
+
+
+@functools.cache
+def codec_for(type_: Any) -> PayloadCodec[Any]:
+    """The shared codec for ``type_``, built on first use.
+
+    Raises:
+        PayloadError: msgspec cannot decode ``type_``.
+    """
+    return PayloadCodec(type_)

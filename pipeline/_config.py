@@ -1,0 +1,422 @@
+"""Pipeline specs: pydantic models that are both the Python API and the YAML schema.
+
+Every model forbids unknown keys. :meth:`PipelineSpec.from_yaml` and friends turn any
+failure into one :class:`~pipeline.ConfigError` whose message reads
+``FILE:LINE: field.path: what is wrong``; constructing the models directly raises
+pydantic's ``ValidationError`` as usual.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from ._errors import ConfigError
+from ._keys import edge_name
+from ._units import (
+    BUILTIN_TRANSPORTS,
+    BindAddress,
+    ByteSize,
+    Count,
+    Device,
+    ImportPath,
+    StageName,
+    Timeout,
+    TransportKind,
+)
+from ._yaml import YamlDocument, parse_yaml, read_yaml_file, validation_to_config_error
+
+__all__ = (
+    "BUILTIN_TRANSPORTS",
+    "DefaultsSpec",
+    "EdgeSpec",
+    "MasterSpec",
+    "PipelineSpec",
+    "StageSpec",
+    "TransportSpec",
+)
+
+
+class _Spec(BaseModel):
+    """The shared configuration of every spec model."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+    )
+
+
+class MasterSpec(_Spec):
+    """Where the master listens for workers and clients."""
+
+    bind: BindAddress = "tcp://127.0.0.1:0"
+    """A ZeroMQ endpoint, ``tcp://HOST:PORT`` (port 0: any free port) or ``ipc://PATH``."""
+
+
+class TransportSpec(_Spec):
+    """How an edge's payloads travel; YAML may give just the kind, as in ``transport: shm``."""
+
+    kind: TransportKind
+    """A built-in kind, an entry-point name, or an import path ``package.module:Class``."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Options for the transport itself, checked by the transport when it is built."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_kind(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"kind": data}
+        if isinstance(data, Mapping | TransportSpec):
+            return data
+        raise PydanticCustomError(
+            "transport_type",
+            "expected a transport name such as 'shm', or a mapping with 'kind' and 'options'",
+        )
+
+
+class DefaultsSpec(_Spec):
+    """Settings every edge and request inherits unless it overrides them."""
+
+    transport: TransportSpec = Field(default_factory=lambda: TransportSpec(kind="auto"))
+    """The transport of edges that do not name one."""
+    inline_threshold: ByteSize = 64 * 1024
+    """Payloads up to this size travel inside the envelope."""
+    chunk_timeout: Timeout = 30.0
+    """How long a consumer waits for the next chunk before failing with ChunkGap."""
+    request_timeout: Timeout | None = None
+    """The deadline of a whole request; ``None`` means no deadline."""
+    window: Count = 16
+    """Chunks in flight per request per edge before the producer waits."""
+    max_inflight: Count = 1024
+    """Requests the orchestrator admits at once."""
+    heartbeat_interval: Timeout = 1.0
+    """How often workers report that they are alive."""
+    heartbeat_timeout: Timeout = 5.0
+    """Silence after which a replica is declared dead; must exceed the interval."""
+    startup_timeout: Timeout = 60.0
+    """How long the master waits for every replica to come up."""
+
+    @field_validator("heartbeat_timeout")
+    @classmethod
+    def _check_heartbeat(cls, value: float, info: ValidationInfo) -> float:
+        # Fields validate in declaration order, so the interval is already here when valid.
+        interval = info.data.get("heartbeat_interval")
+        if interval is not None and value <= interval:
+            raise PydanticCustomError(
+                "invalid_heartbeat_timeout",
+                "heartbeat_timeout ({timeout}s) must exceed heartbeat_interval ({interval}s), "
+                "or every replica would be declared dead between two heartbeats",
+                {"timeout": f"{value:g}", "interval": f"{interval:g}"},
+            )
+        return value
+
+
+class StageSpec(_Spec):
+    """One stage: its class, its parameters and how it is deployed."""
+
+    impl: ImportPath
+    """The stage class, as ``package.module:Class``."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Parameters passed to the stage class, validated by the stage."""
+    replicas: Count = 1
+    """Worker processes running this stage."""
+    device: Device = "cpu"
+    """``cpu``, ``cuda`` or ``cuda:N``."""
+    max_concurrency: Count = 16
+    """Requests one replica processes at once."""
+    max_batch_size: Count = 1
+    """Requests grouped into one ``process_batch`` call; 1 turns batching off."""
+    max_wait_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    """How long a partial batch waits for more requests."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for this stage's worker processes."""
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _stringify_env(cls, value: Any) -> Any:
+        # ``OMP_NUM_THREADS: 4`` is an int in YAML, but the environment only holds strings;
+        # refusing it would punish the obvious spelling. Booleans stay errors: "True" or
+        # "true" would be a guess.
+        if isinstance(value, Mapping):
+            return {
+                k: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+                for k, v in value.items()
+            }
+        return value
+
+
+class EdgeSpec(_Spec):
+    """A directed edge from one stage to another; unset fields inherit the defaults.
+
+    In YAML and in :meth:`PipelineSpec.to_dict` the ends are ``from`` and ``to``; in
+    Python they are ``src`` and ``dst``, since ``from`` is a keyword.
+    """
+
+    # validation_alias/serialization_alias rather than alias: type checkers then see the
+    # constructor as EdgeSpec(src=..., dst=...), which is how Python code spells it.
+    src: str = Field(validation_alias="from", serialization_alias="from")
+    """The producing stage."""
+    dst: str = Field(validation_alias="to", serialization_alias="to")
+    """The consuming stage."""
+    transport: TransportSpec | None = None
+    """This edge's transport, instead of the default."""
+    inline_threshold: ByteSize | None = None
+    """This edge's inline threshold, instead of the default."""
+    chunk_timeout: Timeout | None = None
+    """This edge's chunk timeout, instead of the default."""
+    window: Count | None = None
+    """This edge's window, instead of the default."""
+
+    @property
+    def name(self) -> str:
+        """The edge's name in keys, logs and statistics: ``src->dst``."""
+        return edge_name(self.src, self.dst)
+
+
+class PipelineSpec(_Spec):
+    """A whole pipeline: stages, the edges between them, and shared settings.
+
+    Validation checks the graph as well as the fields: edges join known stages, there are
+    no self loops, duplicate edges or cycles, so there is always a source and a sink.
+    """
+
+    name: str = Field(default="pipeline", min_length=1)
+    """A name for logs and statistics."""
+    master: MasterSpec = Field(default_factory=MasterSpec)
+    """Where the master listens."""
+    defaults: DefaultsSpec = Field(default_factory=DefaultsSpec)
+    """Settings edges and requests inherit."""
+    stages: dict[StageName, StageSpec]
+    """The stages by name, in the order they were declared."""
+    edges: list[EdgeSpec] = Field(default_factory=list)
+    """The edges; a pipeline of one stage needs none."""
+
+    @field_validator("stages")
+    @classmethod
+    def _check_not_empty(cls, value: dict[str, StageSpec]) -> dict[str, StageSpec]:
+        if not value:
+            raise PydanticCustomError("invalid_stages", "at least one stage is required")
+        return value
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> PipelineSpec:
+        known = ", ".join(self.stages)
+        seen: dict[tuple[str, str], int] = {}
+        for index, e in enumerate(self.edges):
+            for key, stage in (("from", e.src), ("to", e.dst)):
+                if stage not in self.stages:
+                    detail = f"unknown stage {stage!r}; known stages: {known}"
+                    raise _graph_error(("edges", index, key), detail)
+            if e.src == e.dst:
+                raise _graph_error(("edges", index, "to"), f"stage {e.src!r} feeds itself")
+            first = seen.setdefault((e.src, e.dst), index)
+            if first != index:
+                detail = f"duplicate edge {e.name} (already declared as edges.{first})"
+                raise _graph_error(("edges", index), detail)
+        cycle = self._find_cycle()
+        if cycle is not None:
+            index, stages = cycle
+            detail = f"cycle {' -> '.join(stages)}; a pipeline must be acyclic"
+            raise _graph_error(("edges", index), detail)
+        return self
+
+    def _find_cycle(self) -> tuple[int, list[str]] | None:
+        """Return the index of an edge closing a cycle and the cycle's stages, if any."""
+        out: dict[str, list[tuple[int, str]]] = {s: [] for s in self.stages}
+        for index, e in enumerate(self.edges):
+            out[e.src].append((index, e.dst))
+        done: set[str] = set()
+        for root in self.stages:
+            if root in done:
+                continue
+            # An explicit stack keeps deep chains of stages clear of the recursion limit.
+            path: list[str] = [root]
+            on_path = {root}
+            todo = [iter(out[root])]
+            while todo:
+                step = next(todo[-1], None)
+                if step is None:
+                    done.add(path[-1])
+                    on_path.discard(path.pop())
+                    todo.pop()
+                    continue
+                index, nxt = step
+                if nxt in on_path:
+                    return index, [*path[path.index(nxt) :], nxt]
+                if nxt not in done:
+                    path.append(nxt)
+                    on_path.add(nxt)
+                    todo.append(iter(out[nxt]))
+        return None
+
+    # -- graph helpers --------------------------------------------------------------
+
+    def edge(self, src: str, dst: str) -> EdgeSpec:
+        """Return the edge from ``src`` to ``dst``.
+
+        Raises:
+            KeyError: there is no such edge.
+        """
+        for e in self.edges:
+            if e.src == src and e.dst == dst:
+                return e
+        raise KeyError(f"no edge {edge_name(src, dst)} in pipeline {self.name!r}")
+
+    def upstream(self, stage: str) -> list[str]:
+        """Return the stages feeding ``stage``, in edge order.
+
+        Raises:
+            KeyError: ``stage`` is not a stage of this pipeline.
+        """
+        self._require(stage)
+        return [e.src for e in self.edges if e.dst == stage]
+
+    def downstream(self, stage: str) -> list[str]:
+        """Return the stages ``stage`` feeds, in edge order.
+
+        Raises:
+            KeyError: ``stage`` is not a stage of this pipeline.
+        """
+        self._require(stage)
+        return [e.dst for e in self.edges if e.src == stage]
+
+    def sources(self) -> list[str]:
+        """Return the stages with no upstream, which receive the client's input."""
+        fed = {e.dst for e in self.edges}
+        return [s for s in self.stages if s not in fed]
+
+    def sinks(self) -> list[str]:
+        """Return the stages with no downstream, whose outputs go back to the client."""
+        feeding = {e.src for e in self.edges}
+        return [s for s in self.stages if s not in feeding]
+
+    def topological_order(self) -> list[str]:
+        """Return every stage after all of its upstream stages.
+
+        Among stages that are ready together, declaration order decides, so the order is
+        the same on every run and on every host.
+        """
+        rank = {s: i for i, s in enumerate(self.stages)}
+        waiting = dict.fromkeys(self.stages, 0)
+        for e in self.edges:
+            waiting[e.dst] += 1
+        ready = [rank[s] for s, n in waiting.items() if n == 0]
+        heapq.heapify(ready)
+        names = list(self.stages)
+        order: list[str] = []
+        while ready:
+            stage = names[heapq.heappop(ready)]
+            order.append(stage)
+            for e in self.edges:
+                if e.src == stage:
+                    waiting[e.dst] -= 1
+                    if waiting[e.dst] == 0:
+                        heapq.heappush(ready, rank[e.dst])
+        return order
+
+    def edge_transport(self, e: EdgeSpec) -> TransportSpec:
+        """Return the transport of ``e``: its own, or the default."""
+        return e.transport if e.transport is not None else self.defaults.transport
+
+    def edge_inline_threshold(self, e: EdgeSpec) -> int:
+        """Return the inline threshold of ``e`` in bytes: its own, or the default."""
+        if e.inline_threshold is not None:
+            return e.inline_threshold
+        return self.defaults.inline_threshold
+
+    def edge_chunk_timeout(self, e: EdgeSpec) -> float:
+        """Return the chunk timeout of ``e`` in seconds: its own, or the default."""
+        return e.chunk_timeout if e.chunk_timeout is not None else self.defaults.chunk_timeout
+
+    def edge_window(self, e: EdgeSpec) -> int:
+        """Return the window of ``e`` in chunks: its own, or the default."""
+        return e.window if e.window is not None else self.defaults.window
+
+    def _require(self, stage: str) -> None:
+        if stage not in self.stages:
+            raise KeyError(f"no stage {stage!r} in pipeline {self.name!r}")
+
+    # -- loading and shipping --------------------------------------------------------
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> PipelineSpec:
+        """Load and validate the pipeline in the YAML file at ``path``.
+
+        Raises:
+            ConfigError: the file cannot be read, is not valid YAML, or is not a valid
+                pipeline; the message names the file, the field and the line.
+        """
+        return cls._from_document(read_yaml_file(path))
+
+    @classmethod
+    def from_yaml_text(cls, text: str, *, source: str = "<string>") -> PipelineSpec:
+        """Load and validate a pipeline from YAML text; ``source`` names it in errors.
+
+        Raises:
+            ConfigError: the text is not valid YAML or not a valid pipeline.
+        """
+        return cls._from_document(parse_yaml(text, source=source))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> PipelineSpec:
+        """Validate a pipeline given as plain data, such as the output of :meth:`to_dict`.
+
+        Raises:
+            ConfigError: ``data`` is not a valid pipeline; ``source`` names it.
+        """
+        return cls._validate(data, YamlDocument(data, source))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the spec as JSON-able data, with YAML's key names.
+
+        ``PipelineSpec.from_dict(spec.to_dict()) == spec`` for any spec loaded from YAML,
+        which is how the spec travels to worker processes.
+        """
+        return self.model_dump(mode="json", by_alias=True)
+
+    @classmethod
+    def _from_document(cls, doc: YamlDocument) -> PipelineSpec:
+        return cls._validate(doc.data, doc)
+
+    @classmethod
+    def _validate(cls, data: object, doc: YamlDocument) -> PipelineSpec:
+        if not isinstance(data, Mapping):
+            what = "an empty document" if data is None else f"a {type(data).__name__}"
+            raise ConfigError(
+                f"expected a mapping with 'stages' (and usually 'edges') at the top level, "
+                f"got {what}",
+                file=doc.source,
+                line=doc.line_of(()),
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise validation_to_config_error(e, cls, doc) from e
+
+
+def _graph_error(loc: tuple[str | int, ...], detail: str) -> PydanticCustomError:
+    """An error about the graph, carrying the path of the edge field at fault.
+
+    A model validator can only fail at the model's own location, so the field path
+    travels in the context, where :func:`validation_to_config_error` looks for it.
+    """
+    path = ".".join(str(p) for p in loc)
+    return PydanticCustomError(
+        "invalid_graph", "{path}: {detail}", {"path": path, "detail": detail, "loc": loc}
+    )

@@ -1,0 +1,30 @@
+"""The encoded form of a payload: one msgpack header plus out-of-band buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ("Buffer", "Encoded")
+
+#: A contiguous run of bytes: ``bytes``, ``bytearray`` or a ``memoryview`` of format ``B``.
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(slots=True, frozen=True)
+class Encoded:
+    """A payload ready for a transport.
+
+    Attributes:
+        header: msgpack bytes describing the payload; tensors and arrays appear in it
+            only as references to ``buffers``.
+        buffers: the raw bytes of every tensor and array, in reference order, never copied
+            on encode when the source is contiguous.
+    """
+
+    header: bytes
+    buffers: tuple[Buffer, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Total size of the header and all buffers, in bytes."""
+        return len(self.header) + sum(memoryview(b).nbytes for b in self.buffers)

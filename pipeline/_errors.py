@@ -1,0 +1,194 @@
+"""The exception tree of stagewire.
+
+Every error a user can catch derives from :class:`PipelineError`::
+
+    PipelineError
+    ├── ConfigError         a spec, YAML file or stage class is wrong; nothing started
+    ├── StageError          a stage's ``process`` raised for one request
+    ├── StageUnavailable    the replica holding a request died or never came up
+    ├── ChunkGap            a chunk did not arrive within ``chunk_timeout``
+    ├── TransportError      a transport could not move or find a payload
+    ├── PayloadError        a payload did not match its declared type
+    ├── RequestAborted      the request was cancelled (client cancel or ``abort``)
+    └── RequestTimeout      the request passed its deadline
+
+:class:`EndOfChannel` sits outside the tree: the end of a stream is a signal, not an error.
+
+Errors cross process boundaries as :class:`FailureInfo` records (never pickled) and are
+rebuilt at the client by :func:`failure_to_error`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = (
+    "ChunkGap",
+    "ConfigError",
+    "EndOfChannel",
+    "FailureInfo",
+    "PayloadError",
+    "PipelineError",
+    "RequestAborted",
+    "RequestTimeout",
+    "StageError",
+    "StageUnavailable",
+    "TransportError",
+    "error_to_failure",
+    "failure_to_error",
+)
+
+
+class EndOfChannel(Exception):
+    """The stream ended normally: its final chunk has been consumed."""
+
+
+class PipelineError(Exception):
+    """The root of every stagewire error."""
+
+
+class ConfigError(PipelineError):
+    """A spec, YAML file or stage class is invalid; raised before any process starts.
+
+    The message names the file, the field path and the line where they are known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        path: str | None = None,
+        line: int | None = None,
+    ) -> None:
+        self.message = message
+        self.file = file
+        self.path = path
+        self.line = line
+        where = ""
+        if file is not None:
+            where = f"{file}:{line}: " if line is not None else f"{file}: "
+        elif line is not None:
+            where = f"line {line}: "
+        field = f"{path}: " if path else ""
+        super().__init__(f"{where}{field}{message}")
+
+
+class StageError(PipelineError):
+    """A stage's handler raised while processing one request; the stage keeps serving."""
+
+    def __init__(self, stage: str, request_id: str, message: str) -> None:
+        self.stage = stage
+        self.request_id = request_id
+        self.message = message
+        super().__init__(f"stage {stage!r} failed request {request_id}: {message}")
+
+
+class StageUnavailable(PipelineError):
+    """The replica bound to a request died, or no replica of a stage is available."""
+
+    def __init__(self, stage: str, message: str, *, request_id: str | None = None) -> None:
+        self.stage = stage
+        self.request_id = request_id
+        self.message = message
+        rid = f" (request {request_id})" if request_id else ""
+        super().__init__(f"stage {stage!r} unavailable{rid}: {message}")
+
+
+class ChunkGap(PipelineError):
+    """A chunk was not received within the chunk timeout; the request fails, never hangs."""
+
+    def __init__(self, request_id: str, edge: str, seq: int, timeout: float) -> None:
+        self.request_id = request_id
+        self.edge = edge
+        self.seq = seq
+        self.timeout = timeout
+        super().__init__(
+            f"request {request_id}: chunk {seq} on edge {edge!r} did not arrive within "
+            f"{timeout:g}s (chunk_timeout); raise chunk_timeout if the upstream stage is slow"
+        )
+
+
+class TransportError(PipelineError):
+    """A transport could not store, find or deliver a payload."""
+
+
+class PayloadError(PipelineError):
+    """A payload did not match the type its stage declared.
+
+    Attributes:
+        field: the path of the offending field (``$.pixels``), when known.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.message = message
+        self.field = field
+        super().__init__(message)
+
+
+class RequestAborted(PipelineError):
+    """The request was cancelled before it completed."""
+
+    def __init__(self, request_id: str, reason: str = "aborted") -> None:
+        self.request_id = request_id
+        self.reason = reason
+        super().__init__(f"request {request_id} aborted: {reason}")
+
+
+class RequestTimeout(PipelineError):
+    """The request did not complete before its deadline."""
+
+    def __init__(self, request_id: str, timeout: float) -> None:
+        self.request_id = request_id
+        self.timeout = timeout
+        super().__init__(f"request {request_id} did not complete within {timeout:g}s")
+
+
+class FailureInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A wire record of a request failure, rebuilt into an exception at the client."""
+
+    kind: str
+    message: str
+    request_id: str = ""
+    stage: str = ""
+    edge: str = ""
+    seq: int = 0
+    timeout: float = 0.0
+    field: str = ""
+
+
+def error_to_failure(exc: BaseException, *, stage: str, request_id: str) -> FailureInfo:
+    """Describe ``exc`` as a :class:`FailureInfo` raised in ``stage`` for ``request_id``."""
+    if isinstance(exc, ChunkGap):
+        return FailureInfo(
+            "chunk_gap", str(exc), exc.request_id, stage, exc.edge, exc.seq, exc.timeout
+        )
+    if isinstance(exc, PayloadError):
+        return FailureInfo(
+            "payload", f"stage {stage!r}: {exc.message}", request_id, stage, field=exc.field or ""
+        )
+    if isinstance(exc, TransportError):
+        return FailureInfo("transport", f"stage {stage!r}: {exc}", request_id, stage)
+    if isinstance(exc, StageUnavailable):
+        return FailureInfo("unavailable", exc.message, request_id, exc.stage)
+    message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return FailureInfo("stage", message, request_id, stage)
+
+
+def failure_to_error(info: FailureInfo) -> PipelineError:
+    """Rebuild the exception a :class:`FailureInfo` describes."""
+    match info.kind:
+        case "chunk_gap":
+            return ChunkGap(info.request_id, info.edge, info.seq, info.timeout)
+        case "payload":
+            return PayloadError(info.message, field=info.field or None)
+        case "transport":
+            return TransportError(info.message)
+        case "unavailable":
+            return StageUnavailable(info.stage, info.message, request_id=info.request_id)
+        case "aborted":
+            return RequestAborted(info.request_id, info.message)
+        case "timeout":
+            return RequestTimeout(info.request_id, info.timeout)
+        case _:
+            return StageError(info.stage, info.request_id, info.message)

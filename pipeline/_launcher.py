@@ -1,0 +1,108 @@
+"""Starting local worker processes, watching them, and making sure none outlives us.
+
+Workers are fresh interpreters (the spawn start method) running the same entry point as
+``stagewire worker``. Each is told its parent's pid and asks the kernel to SIGTERM it if the
+parent dies, so even a ``kill -9`` of the master leaves no worker behind. Shutdown asks
+politely first (the master's ``Shutdown``), then SIGTERM, then SIGKILL, and only ever
+signals pids this launcher started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import structlog
+
+from pipeline._config import PipelineSpec
+
+__all__ = ("LocalLauncher",)
+
+log = structlog.get_logger("stagewire.launcher")
+
+
+class LocalLauncher:
+    """Starts one process per replica on this host and reports their exits."""
+
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        master: str,
+        on_exit: Callable[[str, int, int], None],
+    ) -> None:
+        self._spec = spec
+        self._master = master
+        self._on_exit = on_exit
+        self.procs: dict[tuple[str, int], asyncio.subprocess.Process] = {}
+        self._watchers: list[asyncio.Task[None]] = []
+        self._closing = False
+
+    def _env(self, stage: str) -> dict[str, str]:
+        env = dict(os.environ)
+        # Workers import stage classes by path, so they see the modules the parent sees.
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        paths.insert(0, os.getcwd())
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env.update(self._spec.stages[stage].env)
+        return env
+
+    async def start_all(self) -> None:
+        """Start every replica of every stage."""
+        for stage, sspec in self._spec.stages.items():
+            for k in range(sspec.replicas):
+                await self.start(stage, k)
+
+    async def start(self, stage: str, replica: int) -> int:
+        """Start one replica's process; returns its pid."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "pipeline",
+            "worker",
+            "--master",
+            self._master,
+            "--stage",
+            stage,
+            "--replica",
+            str(replica),
+            "--parent-pid",
+            str(os.getpid()),
+            stdin=asyncio.subprocess.DEVNULL,
+            env=self._env(stage),
+        )
+        self.procs[(stage, replica)] = proc
+        self._watchers.append(asyncio.get_running_loop().create_task(self._watch(stage, replica, proc)))
+        return proc.pid
+
+    async def _watch(self, stage: str, replica: int, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if not self._closing:
+            log.warning("worker_exited", stage=stage, replica=replica, pid=proc.pid, code=code)
+            self._on_exit(stage, replica, code)
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the processes still running."""
+        return [p.pid for p in self.procs.values() if p.returncode is None]
+
+    async def aclose(self, grace: float = 5.0) -> None:
+        """Wait ``grace`` seconds for workers to exit, then terminate, then kill."""
+        self._closing = True
+        running = [p for p in self.procs.values() if p.returncode is None]
+        for sig, wait in ((None, grace), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+            running = [p for p in running if p.returncode is None]
+            if not running:
+                break
+            if sig is not None:
+                for p in running:
+                    if p.returncode is None:
+                        p.send_signal(sig)
+            try:
+                async with asyncio.timeout(wait):
+                    await asyncio.gather(*(p.wait() for p in running))
+            except TimeoutError:
+                continue
+        await asyncio.gather(*self._watchers, return_exceptions=True)

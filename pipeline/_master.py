@@ -1,0 +1,332 @@
+"""The master: control plane, replica registry, heartbeats and the orchestrator.
+
+Its control socket is a ZMQ ROUTER. Workers register (``Register`` → ``Assignment``),
+heartbeat, report readiness and failures, and answer statistics requests. A replica is
+declared dead after a heartbeat timeout or, for local workers, the moment its process
+exits; only the requests bound to it fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+
+from pipeline._errors import PipelineError, StageUnavailable, failure_to_error
+from pipeline._host import host_identity
+from pipeline._messages import (
+    Assignment,
+    ControlToMaster,
+    Failed,
+    Heartbeat,
+    Peer,
+    Peers,
+    PeerTable,
+    Ready,
+    Register,
+    SetupFailed,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+)
+from pipeline._orchestrator import Orchestrator, ReplicaView
+from pipeline._signature import PipelinePlan
+from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
+from pipeline._worker import MAX_CONTROL_MESSAGE, MAX_DATA_MESSAGE
+
+__all__ = ("Master",)
+
+log = structlog.get_logger("stagewire.master")
+_decode = msgspec.msgpack.Decoder(ControlToMaster).decode  # type: ignore[arg-type]  # a union
+_encode = msgspec.msgpack.Encoder().encode
+
+
+@dataclass(slots=True)
+class _Replica:
+    stage: str
+    replica: int
+    identity: bytes
+    host: str
+    pid: int
+    endpoint: str
+    last_seen: float
+    ready: bool = False
+    alive: bool = True
+    inflight: int = 0
+
+
+@dataclass(slots=True)
+class _Startup:
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None
+
+
+class Master:
+    """The control plane of one pipeline, with its orchestrator."""
+
+    def __init__(self, plan: PipelinePlan, *, bind: str | None = None) -> None:
+        self.plan = plan
+        self.spec = plan.spec
+        self._bind = bind or plan.spec.master.bind
+        self.host = host_identity()
+        self.zctx = new_context()
+        self.router = self.zctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.inbox = self.zctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.RCVHWM, 0)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_MESSAGE)
+        self.outbox = Outbox(self.zctx)
+        self.endpoint = ""
+        self.data_endpoint = ""
+        self.replicas: dict[tuple[str, int], _Replica] = {}
+        self.expected = {
+            (stage, k) for stage, s in plan.spec.stages.items() for k in range(s.replicas)
+        }
+        self.startup = _Startup()
+        self.garbage = 0
+        self._tokens = itertools.count(1)
+        self._stats: dict[int, tuple[asyncio.Future[None], list[dict[str, Any]], int]] = {}
+        self._readers: list[SocketReader] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.orchestrator: Orchestrator | None = None
+        self._closed = False
+
+    @property
+    def orch(self) -> Orchestrator:
+        """The orchestrator (available after :meth:`start`)."""
+        assert self.orchestrator is not None, "master not started"
+        return self.orchestrator
+
+    async def start(self) -> None:
+        """Bind the control and client data sockets and start heartbeating."""
+        self.endpoint = bind_ephemeral(self.router, self._bind)
+        data_bind = self.endpoint.rsplit(":", 1)[0] + ":0"
+        self.data_endpoint = bind_ephemeral(self.inbox, data_bind)
+        self.orchestrator = Orchestrator(
+            self.plan,
+            host=self.host,
+            endpoint=self.data_endpoint,
+            send_data=self.outbox.send,
+            send_control=self.send_to,
+        )
+        self._control_reader = SocketReader(self.router, self._on_control, self._on_error)
+        self._readers = [
+            self._control_reader,
+            SocketReader(self.inbox, self.orch.on_data, self._on_error),
+        ]
+        for reader in self._readers:
+            reader.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat()))
+        log.info("master_started", endpoint=self.endpoint, pipeline=self.spec.name)
+
+    # ---- sending -------------------------------------------------------------------------
+
+    def _send(self, identity: bytes, msg: Any) -> None:
+        try:
+            self.router.send_multipart([identity, _encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return  # the peer vanished; heartbeats will notice
+        self._control_reader.kick()
+
+    def send_to(self, stage: str, replica: int, msg: Any) -> None:
+        """Send a control message to one replica, if it is registered."""
+        rep = self.replicas.get((stage, replica))
+        if rep is not None and rep.alive:
+            self._send(rep.identity, msg)
+
+    def _peer_table(self) -> PeerTable:
+        table: PeerTable = {stage: {} for stage in self.spec.stages}
+        for rep in self.replicas.values():
+            if rep.alive:
+                table[rep.stage][rep.replica] = Peer(rep.endpoint, rep.host)
+        return table
+
+    # ---- receiving -----------------------------------------------------------------------
+
+    def _on_error(self, exc: BaseException, frames: list[bytes]) -> None:
+        self.garbage += 1
+        log.warning("message_failed", error=repr(exc))
+
+    def _on_control(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.garbage += 1
+            return
+        identity, body = frames
+        try:
+            msg = _decode(body)
+        except msgspec.DecodeError:
+            self.garbage += 1
+            if self.garbage in (1, 10, 100, 1000):
+                log.warning("garbage_dropped", count=self.garbage)
+            return
+        if isinstance(msg, Register):
+            self._register(identity, msg)
+            return
+        rep = self.replicas.get((msg.stage, msg.replica))
+        if rep is None or rep.identity != identity:
+            self.garbage += 1
+            return
+        rep.last_seen = time.monotonic()
+        match msg:
+            case Heartbeat(inflight=inflight):
+                rep.inflight = inflight
+            case Ready():
+                rep.ready = True
+                self.orch.replicas[rep.stage][rep.replica].ready = True
+                log.info("replica_ready", stage=rep.stage, replica=rep.replica, pid=rep.pid)
+                if all(k in self.replicas and self.replicas[k].ready for k in self.expected):
+                    self.startup.ready.set()
+            case SetupFailed(message=message):
+                self.startup.error = f"stage {msg.stage!r} replica {msg.replica}: {message}"
+                self.startup.ready.set()
+            case Failed(info=info):
+                self.orch.fail(info.request_id, failure_to_error(info))
+            case StatsReply(token=token, stats=stats):
+                entry = self._stats.get(token)
+                if entry is not None:
+                    fut, replies, wanted = entry
+                    replies.append(stats)
+                    if len(replies) >= wanted and not fut.done():
+                        fut.set_result(None)
+
+    def _register(self, identity: bytes, msg: Register) -> None:
+        key = (msg.stage, msg.replica)
+        if msg.stage not in self.spec.stages or key not in self.expected:
+            log.warning("unknown_replica_refused", stage=msg.stage, replica=msg.replica)
+            return
+        old = self.replicas.get(key)
+        if old is not None and old.identity == identity:
+            self._send(identity, self._assignment(msg.stage, msg.replica))
+            return
+        if old is not None and old.alive:
+            self.replica_lost(msg.stage, msg.replica, "was replaced by a new registration")
+        self.replicas[key] = _Replica(
+            msg.stage, msg.replica, identity, msg.host, msg.pid, msg.data_endpoint, time.monotonic()
+        )
+        self.orch.replicas[msg.stage][msg.replica] = ReplicaView(
+            msg.stage, msg.replica, msg.data_endpoint, msg.host
+        )
+        log.info("replica_registered", stage=msg.stage, replica=msg.replica, pid=msg.pid)
+        self._send(identity, self._assignment(msg.stage, msg.replica))
+        peers = Peers(self._peer_table())
+        for other in self.replicas.values():
+            if other.alive and other.identity != identity:
+                self._send(other.identity, peers)
+
+    def _assignment(self, stage: str, replica: int) -> Assignment:
+        return Assignment(
+            self.spec.to_dict(),
+            stage,
+            replica,
+            Peer(self.data_endpoint, self.host),
+            self._peer_table(),
+        )
+
+    # ---- liveness ------------------------------------------------------------------------
+
+    def replica_lost(self, stage: str, replica: int, why: str) -> None:
+        """Declare a replica dead and fail only the requests bound to it."""
+        rep = self.replicas.get((stage, replica))
+        if rep is None or not rep.alive:
+            return
+        rep.alive = False
+        rep.ready = False
+        self.outbox.forget(rep.endpoint)
+        failed = self.orch.replica_lost(stage, replica, why)
+        log.warning("replica_dead", stage=stage, replica=replica, why=why, failed=failed)
+        if not self.startup.ready.is_set() and self.startup.error is None:
+            self.startup.error = f"stage {stage!r} replica {replica} {why} during start-up"
+            self.startup.ready.set()
+
+    async def _heartbeat(self) -> None:
+        interval = self.spec.defaults.heartbeat_interval
+        timeout = self.spec.defaults.heartbeat_timeout
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for rep in list(self.replicas.values()):
+                if not rep.alive:
+                    continue
+                if now - rep.last_seen > timeout:
+                    self.replica_lost(rep.stage, rep.replica, f"missed heartbeats for {timeout:g}s")
+                else:
+                    self._send(rep.identity, Heartbeat("@master", 0))
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until every expected replica is ready.
+
+        Raises:
+            StageUnavailable: some replica did not become ready in time (named), or died.
+            PipelineError: a stage failed to load or set up (its message included).
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                await self.startup.ready.wait()
+        except TimeoutError:
+            missing = sorted(
+                f"{s}[{k}]"
+                for s, k in self.expected
+                if not ((s, k) in self.replicas and self.replicas[(s, k)].ready)
+            )
+            raise StageUnavailable(
+                missing[0].split("[")[0],
+                f"not ready after {timeout:g}s; waiting for {', '.join(missing)}",
+            ) from None
+        if self.startup.error is not None:
+            raise PipelineError(f"pipeline failed to start: {self.startup.error}")
+
+    def waiting_for(self) -> list[str]:
+        """Replicas expected but not yet ready, as ``stage[k]``."""
+        return sorted(
+            f"{s}[{k}]"
+            for s, k in self.expected
+            if not ((s, k) in self.replicas and self.replicas[(s, k)].ready)
+        )
+
+    async def collect_statistics(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """Ask every live replica for its statistics; those answering within ``timeout``."""
+        live = [r for r in self.replicas.values() if r.alive and r.ready]
+        token = next(self._tokens)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        replies: list[dict[str, Any]] = []
+        self._stats[token] = (fut, replies, len(live))
+        for rep in live:
+            self._send(rep.identity, StatsRequest(token))
+        try:
+            if live:
+                async with asyncio.timeout(timeout):
+                    await fut
+        except TimeoutError:
+            pass
+        finally:
+            del self._stats[token]
+        return sorted(replies, key=lambda s: (s["stage"], s["replica"]))
+
+    async def aclose(self) -> None:
+        """Tell every worker to shut down and close the sockets; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for rep in self.replicas.values():
+            if rep.alive:
+                self._send(rep.identity, Shutdown("pipeline closing"))
+        if self.orchestrator is not None:
+            await self.orchestrator.aclose()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for reader in self._readers:
+            reader.stop()
+        self.outbox.close()
+        self.router.close(linger=500)
+        self.inbox.close(linger=0)
+        self.zctx.term()

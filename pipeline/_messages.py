@@ -1,0 +1,197 @@
+"""Wire messages of the control plane (master <-> workers) and the data plane (stage <-> stage).
+
+Every message is a tagged msgspec Struct; a socket's decoder accepts exactly its union, so
+anything else (garbage bytes, a forged type) fails to decode and is dropped and counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pipeline._errors import FailureInfo
+from pipeline._keys import ChunkKey
+
+__all__ = (
+    "Abort",
+    "Admit",
+    "Assignment",
+    "Chunk",
+    "ControlToMaster",
+    "ControlToWorker",
+    "Credit",
+    "DataMessage",
+    "Drop",
+    "Failed",
+    "Heartbeat",
+    "Peer",
+    "PeerTable",
+    "Peers",
+    "NO_DESCRIPTOR",
+    "Ready",
+    "Register",
+    "SetupFailed",
+    "Shutdown",
+    "StatsReply",
+    "StatsRequest",
+)
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="m", array_like=True):
+    pass
+
+
+# ---- data plane ---------------------------------------------------------------------------
+
+
+class Chunk(_Msg, frozen=True, tag="c"):
+    """One chunk of one request on one edge; the descriptor always travels with it.
+
+    ``transport`` names the transport that carried the payload; an empty ``transport``
+    (with a nil descriptor) marks the end of a stream that has no payload of its own.
+    """
+
+    key: ChunkKey
+    final: bool
+    transport: str
+    descriptor: msgspec.Raw
+    sender: str
+    host: str
+    sent_ns: int
+
+
+#: The descriptor of a chunk that carries no payload: msgpack nil.
+NO_DESCRIPTOR = msgspec.Raw(b"\xc0")
+
+
+class Credit(_Msg, frozen=True, tag="k"):
+    """The consumer has taken chunks ``0 .. upto-1`` of (request, edge): more may be sent."""
+
+    request_id: str
+    edge: str
+    upto: int
+
+
+DataMessage = Chunk | Credit
+
+
+# ---- control plane: worker -> master ------------------------------------------------------
+
+
+class Register(_Msg, frozen=True, tag="register"):
+    """A worker announces itself and its data endpoint."""
+
+    stage: str
+    replica: int
+    host: str
+    pid: int
+    data_endpoint: str
+    devices: list[str] = []
+
+
+class Ready(_Msg, frozen=True, tag="ready"):
+    """The worker's stage finished ``setup`` and serves requests."""
+
+    stage: str
+    replica: int
+
+
+class SetupFailed(_Msg, frozen=True, tag="setup_failed"):
+    """The worker could not load or set up its stage; it will exit."""
+
+    stage: str
+    replica: int
+    message: str
+
+
+class Heartbeat(_Msg, frozen=True, tag="hb"):
+    """Liveness, both ways; ``inflight`` counts requests the sender holds."""
+
+    stage: str
+    replica: int
+    inflight: int = 0
+
+
+class Failed(_Msg, frozen=True, tag="failed"):
+    """A request failed in this worker's stage."""
+
+    stage: str
+    replica: int
+    info: FailureInfo
+
+
+class StatsReply(_Msg, frozen=True, tag="stats"):
+    """A worker's statistics, answering :class:`StatsRequest` ``token``."""
+
+    stage: str
+    replica: int
+    token: int
+    stats: dict[str, Any]
+
+
+ControlToMaster = Register | Ready | SetupFailed | Heartbeat | Failed | StatsReply
+
+
+# ---- control plane: master -> worker ------------------------------------------------------
+
+
+class Peer(msgspec.Struct, frozen=True, array_like=True):
+    """Where one replica listens for data, and the host it runs on."""
+
+    endpoint: str
+    host: str
+
+
+PeerTable = dict[str, dict[int, Peer]]
+
+
+class Assignment(_Msg, frozen=True, tag="assign"):
+    """What a registered worker serves: the whole spec and where its peers listen."""
+
+    spec: dict[str, Any]
+    stage: str
+    replica: int
+    client: Peer
+    peers: PeerTable
+
+
+class Peers(_Msg, frozen=True, tag="peers"):
+    """The data endpoints of every replica, resent whenever one changes."""
+
+    peers: PeerTable
+
+
+class Admit(_Msg, frozen=True, tag="admit"):
+    """Expect a request; ``route`` names the replica chosen for every stage."""
+
+    request_id: str
+    route: dict[str, int]
+
+
+class Abort(_Msg, frozen=True, tag="abort"):
+    """Cancel a request and release everything held for it."""
+
+    request_id: str
+    reason: str
+
+
+class Drop(_Msg, frozen=True, tag="drop"):
+    """A request completed: forget everything held for it."""
+
+    request_id: str
+
+
+class StatsRequest(_Msg, frozen=True, tag="stats?"):
+    """Ask for statistics; the reply carries the same token."""
+
+    token: int
+
+
+class Shutdown(_Msg, frozen=True, tag="shutdown"):
+    """Run teardown and exit."""
+
+    reason: str = ""
+
+
+ControlToWorker = Assignment | Peers | Admit | Abort | Drop | Heartbeat | StatsRequest | Shutdown

@@ -1,0 +1,320 @@
+"""The orchestrator: owns every request from submission to completion, failure or abort.
+
+It assigns request ids, picks one replica per stage (least loaded, then round robin) and
+keeps that choice for the life of the request, admits the request at every replica on
+its route, sends the input to the sources, and reads the sinks' chunks back in key order.
+It sees admission, completion, failure and abort, never each chunk between stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from pipeline._channel import InputChannel, Item, OutputChannel, SendTarget
+from pipeline._codec import codec_for
+from pipeline._errors import (
+    EndOfChannel,
+    PayloadError,
+    PipelineError,
+    RequestAborted,
+    RequestTimeout,
+    StageUnavailable,
+)
+from pipeline._keys import CLIENT
+from pipeline._messages import Abort, Admit, Chunk, Credit, DataMessage, Drop
+from pipeline._reorder import ReorderBuffer
+from pipeline._signature import PipelinePlan
+
+__all__ = ("ClientRequest", "Orchestrator", "ReplicaView")
+
+_decode_data = msgspec.msgpack.Decoder(DataMessage).decode  # type: ignore[arg-type]  # a union
+
+
+class ReplicaView:
+    """What the orchestrator needs to know of one replica."""
+
+    __slots__ = ("endpoint", "host", "ready", "replica", "requests", "stage")
+
+    def __init__(self, stage: str, replica: int, endpoint: str, host: str) -> None:
+        self.stage = stage
+        self.replica = replica
+        self.endpoint = endpoint
+        self.host = host
+        self.ready = False
+        self.requests: set[str] = set()
+
+
+class ClientRequest:
+    """One request as the client side sees it."""
+
+    __slots__ = ("buffers", "error", "granted", "pending", "request_id", "route", "taken", "timer")
+
+    def __init__(self, request_id: str, route: dict[str, int]) -> None:
+        self.request_id = request_id
+        self.route = route
+        self.buffers: dict[str, ReorderBuffer[Item]] = {}
+        self.pending: dict[str, asyncio.Task[tuple[Item, bool]]] = {}
+        self.taken: dict[str, int] = {}
+        self.granted: dict[str, int] = {}
+        self.error: BaseException | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Orchestrator:
+    """Plans, admits and tracks requests; the client end of every source and sink edge."""
+
+    def __init__(
+        self,
+        plan: PipelinePlan,
+        *,
+        host: str,
+        endpoint: str,
+        send_data: Callable[[str, list[bytes]], None],
+        send_control: Callable[[str, int, Any], None],
+    ) -> None:
+        self.plan = plan
+        self._send_control = send_control
+        defaults = plan.spec.defaults
+        self._timeout = defaults.request_timeout
+        self._slots = asyncio.Semaphore(defaults.max_inflight)
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid():x}{os.urandom(3).hex()}"
+        self._rr = itertools.count()
+        self.replicas: dict[str, dict[int, ReplicaView]] = {s: {} for s in plan.stages}
+        self.requests: dict[str, ClientRequest] = {}
+        self._to_sources = {
+            src: OutputChannel(
+                next(iter(plan.stages[src].inputs.values())),
+                host=host,
+                endpoint=endpoint,
+                send=send_data,
+            )
+            for src in plan.sources
+        }
+        self._input_types = {
+            src: next(iter(plan.stages[src].inputs.values())).payload_type for src in plan.sources
+        }
+        self._from_sinks = {
+            sink: InputChannel(plan.stages[sink].outputs[CLIENT], host=host, send=send_data)
+            for sink in plan.sinks
+        }
+        self._by_edge = {ch.plan.name: ch for ch in self._from_sinks.values()}
+        self._src_by_edge = {ch.plan.name: ch for ch in self._to_sources.values()}
+        self.counts = dict.fromkeys(("submitted", "completed", "failed", "aborted", "garbage"), 0)
+
+    # ---- planning ------------------------------------------------------------------------
+
+    def _choose(self, stage: str) -> ReplicaView:
+        live = [r for r in self.replicas[stage].values() if r.ready]
+        if not live:
+            raise StageUnavailable(stage, "no replica is ready")
+        least = min(len(r.requests) for r in live)
+        candidates = [r for r in live if len(r.requests) == least]
+        return candidates[next(self._rr) % len(candidates)]
+
+    async def start(self, inputs: dict[str, Any]) -> ClientRequest:
+        """Admit a request and deliver its input to every source stage.
+
+        Raises:
+            PayloadError: an input does not match its source stage's declared type.
+            StageUnavailable: some stage has no ready replica.
+        """
+        if set(inputs) != set(self._to_sources):
+            raise PayloadError(f"inputs must be given for sources {sorted(self._to_sources)}")
+        encoded = {}
+        for src, value in inputs.items():
+            tp = self._input_types[src]
+            if isinstance(tp, type) and not isinstance(value, tp):
+                raise PayloadError(
+                    f"input for stage {src!r} must be {tp.__name__}, got {type(value).__name__}"
+                )
+            encoded[src] = codec_for(tp).encode(value)
+        await self._slots.acquire()
+        try:
+            chosen = {stage: self._choose(stage) for stage in self.plan.stages}
+        except StageUnavailable:
+            self._slots.release()
+            raise
+        rid = f"{self._prefix}-{next(self._ids)}"
+        route = {stage: r.replica for stage, r in chosen.items()}
+        req = ClientRequest(rid, route)
+        for sink, ch in self._from_sinks.items():
+            req.buffers[sink] = ReorderBuffer(
+                rid, ch.plan.name, chunk_timeout=ch.plan.chunk_timeout, on_discard=ch.discard
+            )
+        self.requests[rid] = req
+        self.counts["submitted"] += 1
+        admit = Admit(rid, route)
+        for stage, r in chosen.items():
+            r.requests.add(rid)
+            self._send_control(stage, r.replica, admit)
+        if self._timeout is not None:
+            req.timer = asyncio.get_running_loop().call_later(
+                self._timeout, self.fail, rid, RequestTimeout(rid, self._timeout)
+            )
+        for src, enc in encoded.items():
+            r = chosen[src]
+            await self._to_sources[src].send(rid, enc, True, SendTarget(r.endpoint, r.host))
+        return req
+
+    # ---- outputs -------------------------------------------------------------------------
+
+    async def _next_from(self, req: ClientRequest, sink: str) -> tuple[Item, bool]:
+        return await req.buffers[sink].get()
+
+    async def next_output(self, req: ClientRequest) -> tuple[str, Any]:
+        """The next sink output of ``req`` as ``(sink, payload)``, in order per sink.
+
+        Raises:
+            EndOfChannel: every sink has sent its final chunk; the request is complete.
+            PipelineError: the request failed, timed out or was aborted.
+        """
+        while True:
+            open_sinks = [s for s, b in req.buffers.items() if not b.finished]
+            if not open_sinks:
+                self.complete(req.request_id)
+                raise EndOfChannel
+            for sink in open_sinks:
+                if sink not in req.pending:
+                    req.pending[sink] = asyncio.ensure_future(self._next_from(req, sink))
+            done, _ = await asyncio.wait(
+                [req.pending[s] for s in open_sinks], return_when=asyncio.FIRST_COMPLETED
+            )
+            for sink in open_sinks:
+                task = req.pending[sink]
+                if task not in done:
+                    continue
+                del req.pending[sink]
+                try:
+                    item, final = task.result()
+                except EndOfChannel:
+                    continue
+                except PipelineError:
+                    raise req.error if req.error is not None else task.exception() from None
+                if item.descriptor is None:
+                    continue  # the end of a streaming sink
+                ch = self._from_sinks[sink]
+                value = await ch.fetch(item)
+                taken = req.taken[sink] = req.taken.get(sink, 0) + 1
+                if not final:
+                    req.granted[sink] = ch.grant(
+                        req.request_id, taken, item.sender, req.granted.get(sink, 0)
+                    )
+                return sink, value
+
+    # ---- endings -------------------------------------------------------------------------
+
+    def _finish(self, rid: str, exc: BaseException | None) -> ClientRequest | None:
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return None
+        self._slots.release()
+        if req.timer is not None:
+            req.timer.cancel()
+        for task in req.pending.values():
+            task.cancel()
+        for buf in req.buffers.values():
+            if exc is not None:
+                buf.abort(exc)
+            else:
+                buf.close()
+        for ch in self._to_sources.values():
+            ch.forget(rid)
+        for stage, k in req.route.items():
+            view = self.replicas[stage].get(k)
+            if view is not None:
+                view.requests.discard(rid)
+        return req
+
+    def complete(self, rid: str) -> None:
+        """Every sink finished: tell every stage on the route to forget the request."""
+        req = self._finish(rid, None)
+        if req is not None:
+            self.counts["completed"] += 1
+            drop = Drop(rid)
+            for stage, k in req.route.items():
+                self._send_control(stage, k, drop)
+
+    def fail(self, rid: str, exc: PipelineError) -> None:
+        """Fail a request at the client and abort it in every stage."""
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        req.error = exc
+        self._finish(rid, exc)
+        self.counts["failed"] += 1
+        abort = Abort(rid, str(exc))
+        for stage, k in req.route.items():
+            self._send_control(stage, k, abort)
+
+    def abort(self, rid: str, reason: str) -> bool:
+        """Cancel a request everywhere; False if it had already ended."""
+        if rid not in self.requests:
+            return False
+        self.fail(rid, RequestAborted(rid, reason))
+        self.counts["failed"] -= 1
+        self.counts["aborted"] += 1
+        return True
+
+    def replica_lost(self, stage: str, replica: int, why: str) -> int:
+        """Fail every request bound to a dead replica; how many."""
+        view = self.replicas[stage].get(replica)
+        if view is None:
+            return 0
+        view.ready = False
+        lost = list(view.requests)
+        for rid in lost:
+            self.fail(rid, StageUnavailable(stage, f"replica {replica} {why}", request_id=rid))
+        return len(lost)
+
+    # ---- data ----------------------------------------------------------------------------
+
+    def on_data(self, frames: list[bytes]) -> None:
+        """Handle one message on the client's data socket; garbage is counted and dropped."""
+        try:
+            msg = _decode_data(frames[0]) if len(frames) == 1 else None
+        except msgspec.DecodeError:
+            msg = None
+        if isinstance(msg, Credit):
+            out = self._src_by_edge.get(msg.edge)
+            if out is not None:
+                out.on_credit(msg)
+            return
+        if not isinstance(msg, Chunk) or msg.key.edge not in self._by_edge:
+            self.counts["garbage"] += 1
+            return
+        ch = self._by_edge[msg.key.edge]
+        try:
+            item = ch.admit(msg)
+        except PipelineError:
+            self.counts["garbage"] += 1
+            return
+        req = self.requests.get(msg.key.request_id)
+        if req is None:
+            ch.discard(item)
+            return
+        req.buffers[ch.plan.src].offer(msg.key.seq, item, msg.final)
+
+    def statistics(self) -> dict[str, Any]:
+        """The client side's counters and edges."""
+        return {
+            **self.counts,
+            "active": len(self.requests),
+            "inputs": [ch.statistics() for ch in self._from_sinks.values()],
+            "outputs": [ch.statistics() for ch in self._to_sources.values()],
+        }
+
+    async def aclose(self) -> None:
+        """Abort every request and close every channel; idempotent."""
+        for rid in list(self.requests):
+            self.abort(rid, "pipeline closing")
+        for out in self._to_sources.values():
+            await out.aclose()
+        for inp in self._from_sinks.values():
+            await inp.aclose()

@@ -1,0 +1,275 @@
+"""The reorder buffer: one per (request, edge), releasing chunks strictly in seq order.
+
+Chunks reach a receiving stage out of order (mixed transports, fan-in, retries) and
+possibly more than once. :class:`ReorderBuffer` files them by seq and hands them to a
+single consumer as 0, 1, 2, ... exactly once, ending at the chunk marked final. A seq that
+does not arrive within ``chunk_timeout`` of the consumer starting to wait raises
+:class:`ChunkGap` instead of hanging. Every chunk the buffer refuses or drops is passed to
+``on_discard`` so that the caller can release the descriptor it carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from ._errors import ChunkGap, EndOfChannel, RequestAborted
+
+__all__ = ("ReorderBuffer",)
+
+T = TypeVar("T")
+
+
+class ReorderBuffer(Generic[T]):
+    """Releases the chunks of one (request, edge) in seq order, each exactly once.
+
+    Any number of producers may call :meth:`offer` (it never blocks), but only one task
+    may wait in :meth:`get` at a time; a second concurrent ``get()`` raises RuntimeError.
+
+    Args:
+        request_id: the request the chunks belong to.
+        edge: the edge they travel on.
+        chunk_timeout: seconds a waiting ``get()`` allows the next seq before raising
+            :class:`ChunkGap`; ``math.inf`` disables the deadline.
+        on_discard: called with every item the buffer refuses or drops without
+            delivering it. It should not raise.
+    """
+
+    __slots__ = (
+        "_chunks",
+        "_closed",
+        "_delivered",
+        "_duplicates",
+        "_edge",
+        "_exc",
+        "_expected",
+        "_final_seq",
+        "_finished",
+        "_invalid",
+        "_late",
+        "_max_seq",
+        "_on_discard",
+        "_request_id",
+        "_timeout",
+        "_waiter",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        edge: str,
+        *,
+        chunk_timeout: float,
+        on_discard: Callable[[T], None] | None = None,
+    ) -> None:
+        if not chunk_timeout > 0:  # Also rejects NaN.
+            raise ValueError(f"chunk_timeout must be positive, got {chunk_timeout!r}")
+        self._request_id = request_id
+        self._edge = edge
+        self._timeout = chunk_timeout
+        self._on_discard = on_discard
+        self._chunks: dict[int, tuple[T, bool]] = {}
+        self._waiter: asyncio.Future[None] | None = None
+        self._exc: BaseException | None = None
+        self._closed = False
+        self._finished = False
+        self._final_seq: int | None = None
+        self._expected = self._max_seq = self._delivered = 0
+        self._duplicates = self._invalid = self._late = 0
+
+    @property
+    def request_id(self) -> str:
+        """The request the chunks belong to."""
+        return self._request_id
+
+    @property
+    def edge(self) -> str:
+        """The edge the chunks travel on."""
+        return self._edge
+
+    @property
+    def expected(self) -> int:
+        """The next seq to deliver."""
+        return self._expected
+
+    @property
+    def buffered(self) -> int:
+        """How many chunks are held, not yet delivered."""
+        return len(self._chunks)
+
+    @property
+    def delivered(self) -> int:
+        """How many chunks were handed to the consumer."""
+        return self._delivered
+
+    @property
+    def duplicates(self) -> int:
+        """How many offers repeated a seq already buffered or delivered."""
+        return self._duplicates
+
+    @property
+    def invalid(self) -> int:
+        """How many offers had a negative seq, a seq past the final one or a conflicting final."""
+        return self._invalid
+
+    @property
+    def late(self) -> int:
+        """How many offers came after the buffer was closed or aborted."""
+        return self._late
+
+    @property
+    def finished(self) -> bool:
+        """Whether the final chunk has been delivered."""
+        return self._finished
+
+    @property
+    def final_seq(self) -> int | None:
+        """The seq of the final chunk, once it has arrived."""
+        return self._final_seq
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a ``get()`` is waiting for the next chunk."""
+        return self._waiter is not None
+
+    def offer(self, seq: int, item: T, final: bool) -> bool:
+        """File chunk ``seq``; False (and ``on_discard(item)``) when it is refused."""
+        if self._closed:
+            self._late += 1
+        elif seq < 0:
+            self._invalid += 1
+        elif seq < self._expected or seq in self._chunks:
+            self._duplicates += 1
+        elif (self._final_seq is not None and seq > self._final_seq) or (
+            # A final claim below a seq already held contradicts that chunk, so it is refused.
+            final and (self._final_seq is not None or seq < self._max_seq)
+        ):
+            self._invalid += 1
+        else:
+            self._chunks[seq] = (item, final)
+            if final:
+                self._final_seq = seq
+            if seq > self._max_seq:
+                self._max_seq = seq
+            waiter = self._waiter
+            if seq == self._expected and waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            return True
+        if self._on_discard is not None:
+            self._on_discard(item)
+        return False
+
+    def get_nowait(self) -> tuple[T, bool] | None:
+        """The next in-order ``(item, final)`` if it has arrived, else None.
+
+        Raises:
+            EndOfChannel: the final chunk was delivered, or the buffer was closed.
+            BaseException: the exception given to :meth:`abort`.
+        """
+        self._raise_if_ended()
+        return self._take()
+
+    async def get(self) -> tuple[T, bool]:
+        """Wait for and return the next in-order ``(item, final)``.
+
+        Cancelling a waiting ``get()`` loses nothing: a chunk stays buffered until the
+        call that returns it.
+
+        Raises:
+            EndOfChannel: the final chunk was delivered, or the buffer was closed.
+            ChunkGap: the next seq did not arrive within ``chunk_timeout`` of this call
+                starting to wait. The buffer stays usable; the caller usually aborts.
+            RuntimeError: another task is already waiting in ``get()``.
+            BaseException: the exception given to :meth:`abort` (RequestAborted by default).
+        """
+        self._raise_if_ended()
+        entry = self._take()
+        if entry is not None:
+            return entry
+        if self._waiter is not None:
+            raise RuntimeError(f"another task is already waiting on {self._edge!r}")
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(None if math.isinf(self._timeout) else self._timeout):
+                while not (self._closed or self._finished):
+                    self._waiter = loop.create_future()
+                    await self._waiter
+                    entry = self._take()
+                    if entry is not None:
+                        return entry
+        except TimeoutError:
+            # The chunk may have landed in the same loop iteration as the deadline fired.
+            entry = self._take()
+            if entry is not None:
+                return entry
+            self._raise_if_ended()
+            raise ChunkGap(self._request_id, self._edge, self._expected, self._timeout) from None
+        finally:
+            self._waiter = None
+        raise self._ended_error()
+
+    def abort(self, exc: BaseException | None = None) -> int:
+        """Drop every buffered chunk and fail the consumer with ``exc``.
+
+        Args:
+            exc: what ``get()`` raises from now on; RequestAborted by default.
+
+        Returns:
+            How many buffered chunks were discarded; 0 if already closed or aborted.
+
+        Raises:
+            Exception: the first error ``on_discard`` raised, once every item was released.
+        """
+        if self._closed:
+            return 0
+        self._exc = exc if exc is not None else RequestAborted(self._request_id, "aborted")
+        return self._end()
+
+    def close(self) -> int:
+        """Drop every buffered chunk and end the stream; ``get()`` then raises EndOfChannel.
+
+        Returns:
+            How many buffered chunks were discarded; 0 if already closed or aborted.
+
+        Raises:
+            Exception: the first error ``on_discard`` raised, once every item was released.
+        """
+        return 0 if self._closed else self._end()
+
+    def _end(self) -> int:
+        self._closed = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        items = [item for item, _ in self._chunks.values()]
+        self._chunks.clear()
+        if self._on_discard is not None:
+            # Release every item even if one release fails, then report the first failure.
+            first: Exception | None = None
+            for item in items:
+                try:
+                    self._on_discard(item)
+                except Exception as e:
+                    first = e if first is None else first
+            if first is not None:
+                raise first
+        return len(items)
+
+    def _take(self) -> tuple[T, bool] | None:
+        entry = self._chunks.pop(self._expected, None)
+        if entry is not None:
+            self._expected += 1
+            self._delivered += 1
+            self._finished = entry[1]
+        return entry
+
+    def _raise_if_ended(self) -> None:
+        if self._closed or self._finished:
+            raise self._ended_error()
+
+    def _ended_error(self) -> BaseException:
+        if self._exc is not None:
+            return self._exc
+        return EndOfChannel(f"{self._request_id}/{self._edge}")

@@ -1,0 +1,348 @@
+"""Reading stage classes and checking a pipeline's types before any process starts.
+
+:func:`build_plan` imports every stage's class, reads the annotations of its ``process``
+method, validates its params, and checks that every edge's producer type matches its
+consumer's input type. Every problem is a :class:`ConfigError` naming the stage or edge.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import importlib
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from pydantic import BaseModel, ValidationError
+
+from pipeline._config import PipelineSpec, StageSpec, TransportSpec
+from pipeline._errors import ConfigError
+from pipeline._keys import CLIENT, edge_name
+from pipeline._stage import Context, Outputs, Stage, Stream
+
+__all__ = (
+    "EdgePlan",
+    "InputSpec",
+    "PipelinePlan",
+    "StagePlan",
+    "StageSignature",
+    "build_plan",
+    "inspect_stage",
+    "load_stage_class",
+)
+
+_STREAM_ORIGINS = (
+    collections.abc.AsyncIterator,
+    collections.abc.AsyncGenerator,
+    collections.abc.AsyncIterable,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    """One parameter of ``process``: its name, payload type and whether it streams."""
+
+    name: str
+    type: Any
+    streaming: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StageSignature:
+    """What a stage class consumes and produces."""
+
+    cls: type[Stage]
+    inputs: tuple[InputSpec, ...]
+    output_type: Any
+    streaming_output: bool
+    per_destination: dict[str, Any] | None
+    batched: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EdgePlan:
+    """One edge, resolved: its payload type and transport settings."""
+
+    name: str
+    src: str
+    dst: str
+    payload_type: Any
+    streaming: bool
+    transport: TransportSpec
+    window: int
+    chunk_timeout: float
+    inline_threshold: int
+
+
+@dataclass(slots=True)
+class StagePlan:
+    """One stage, resolved: its class, params and edges keyed by parameter / destination."""
+
+    name: str
+    spec: StageSpec
+    signature: StageSignature
+    params: Any
+    inputs: dict[str, EdgePlan] = field(default_factory=dict)
+    outputs: dict[str, EdgePlan] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PipelinePlan:
+    """Every stage and edge of a checked pipeline."""
+
+    spec: PipelineSpec
+    stages: dict[str, StagePlan]
+
+    @property
+    def sources(self) -> list[str]:
+        """Stages fed by the client."""
+        return self.spec.sources()
+
+    @property
+    def sinks(self) -> list[str]:
+        """Stages whose outputs go to the client."""
+        return self.spec.sinks()
+
+
+def load_stage_class(impl: str, *, stage: str = "?") -> type[Stage]:
+    """Import ``module:Class`` and check that it is a Stage with a ``process`` method.
+
+    Raises:
+        ConfigError: the module or class cannot be imported, or is not a usable stage.
+    """
+    path = f"stages.{stage}.impl"
+    module_name, sep, attr = impl.partition(":")
+    if not sep:
+        raise ConfigError(f"impl {impl!r} must be 'module:Class'", path=path)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot import {module_name!r}: {type(exc).__name__}: {exc}", path=path
+        ) from exc
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ConfigError(f"module {module_name!r} has no attribute {attr!r}", path=path)
+    if not (isinstance(cls, type) and issubclass(cls, Stage)):
+        raise ConfigError(f"{impl!r} is not a subclass of pipeline.Stage", path=path)
+    if not callable(getattr(cls, "process", None)):
+        raise ConfigError(f"stage class {impl!r} has no process() method", path=path)
+    return cls
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return tp
+
+
+def inspect_stage(cls: type[Stage], stage: str) -> StageSignature:
+    """Read the inputs and output of ``cls.process``.
+
+    Raises:
+        ConfigError: ``process`` is not async, lacks annotations, or mixes input kinds.
+    """
+    path = f"stages.{stage}"
+    process = cls.process  # type: ignore[attr-defined]  # checked by load_stage_class
+    if not (inspect.iscoroutinefunction(process) or inspect.isasyncgenfunction(process)):
+        raise ConfigError(f"{cls.__name__}.process must be 'async def'", path=path)
+    try:
+        hints = typing.get_type_hints(process)
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot resolve the annotations of {cls.__name__}.process: {exc}", path=path
+        ) from exc
+    params = list(inspect.signature(process).parameters.values())[1:]
+    if not params or params[-1].name != "ctx":
+        raise ConfigError(
+            f"{cls.__name__}.process must take its inputs then 'ctx: Context'", path=path
+        )
+    inputs: list[InputSpec] = []
+    for p in params[:-1]:
+        if p.name not in hints:
+            raise ConfigError(
+                f"{cls.__name__}.process parameter {p.name!r} has no type annotation", path=path
+            )
+        tp = hints[p.name]
+        streaming = typing.get_origin(tp) is Stream
+        inputs.append(InputSpec(p.name, typing.get_args(tp)[0] if streaming else tp, streaming))
+    if not inputs:
+        raise ConfigError(f"{cls.__name__}.process takes no input parameter", path=path)
+    if hints.get("ctx", Context) is not Context:
+        raise ConfigError(f"{cls.__name__}.process 'ctx' must be annotated Context", path=path)
+    if "return" not in hints:
+        raise ConfigError(f"{cls.__name__}.process has no return annotation", path=path)
+    ret = hints["return"]
+    streaming_out = typing.get_origin(ret) in _STREAM_ORIGINS
+    if inspect.isasyncgenfunction(process) != streaming_out:
+        raise ConfigError(
+            f"{cls.__name__}.process: an async generator must be annotated "
+            "AsyncIterator[T], and only an async generator may be",
+            path=path,
+        )
+    out = typing.get_args(ret)[0] if streaming_out else ret
+    per_dest = None
+    if isinstance(out, type) and issubclass(out, Outputs):
+        per_dest = {name: _unwrap_optional(tp) for name, tp in typing.get_type_hints(out).items()}
+    batched = callable(getattr(cls, "process_batch", None))
+    if batched and (len(inputs) != 1 or inputs[0].streaming or streaming_out):
+        raise ConfigError(
+            f"{cls.__name__}.process_batch needs one plain input and a plain output", path=path
+        )
+    return StageSignature(cls, tuple(inputs), out, streaming_out, per_dest, batched)
+
+
+def _compatible(produced: Any, consumed: Any) -> bool:
+    if consumed is Any or produced == consumed:
+        return True
+    return (
+        isinstance(produced, type) and isinstance(consumed, type) and issubclass(produced, consumed)
+    )
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__qualname__", None) or repr(tp)
+
+
+def _validate_params(spec: StageSpec, cls: type[Stage], stage: str) -> Any:
+    model = cls.Params
+    if model is None:
+        if spec.params:
+            raise ConfigError(
+                f"{cls.__name__} declares no Params model but params were given",
+                path=f"stages.{stage}.params",
+            )
+        return None
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise ConfigError(f"{cls.__name__}.Params must be a pydantic model", path=f"stages.{stage}")
+    try:
+        return model.model_validate(spec.params)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(
+            first["msg"], path=f"stages.{stage}.params" + (f".{loc}" if loc else "")
+        ) from exc
+
+
+def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool) -> EdgePlan:
+    if CLIENT in (src, dst):
+        return EdgePlan(
+            edge_name(src, dst),
+            src,
+            dst,
+            tp,
+            streaming,
+            TransportSpec(kind="inline"),
+            spec.defaults.window,
+            spec.defaults.chunk_timeout,
+            spec.defaults.inline_threshold,
+        )
+    e = spec.edge(src, dst)
+    return EdgePlan(
+        e.name,
+        src,
+        dst,
+        tp,
+        streaming,
+        spec.edge_transport(e),
+        spec.edge_window(e),
+        spec.edge_chunk_timeout(e),
+        spec.edge_inline_threshold(e),
+    )
+
+
+def build_plan(spec: PipelineSpec, *, source: str | None = None) -> PipelinePlan:
+    """Import every stage and check every edge's types, before any process starts.
+
+    Raises:
+        ConfigError: a stage cannot be loaded, its params do not validate, or an edge's
+            producer type does not match its consumer, naming the edge.
+    """
+    try:
+        return _build(spec)
+    except ConfigError as exc:
+        if source is not None and exc.file is None:
+            raise ConfigError(exc.message, file=source, path=exc.path, line=exc.line) from exc
+        raise
+
+
+def _build(spec: PipelineSpec) -> PipelinePlan:
+    sigs: dict[str, StageSignature] = {}
+    stages: dict[str, StagePlan] = {}
+    for name, sspec in spec.stages.items():
+        cls = load_stage_class(sspec.impl, stage=name)
+        sig = inspect_stage(cls, name)
+        sigs[name] = sig
+        stages[name] = StagePlan(name, sspec, sig, _validate_params(sspec, cls, name))
+    for name, sig in sigs.items():
+        downstream = spec.downstream(name) or [CLIENT]
+        if sig.per_destination is not None and set(sig.per_destination) != set(downstream):
+            raise ConfigError(
+                f"{sig.output_type.__name__} has fields {sorted(sig.per_destination)} but "
+                f"stage {name!r} sends to {sorted(downstream)}; name one field per "
+                "downstream stage",
+                path=f"stages.{name}",
+            )
+        for dst in downstream:
+            out_tp = sig.per_destination[dst] if sig.per_destination else sig.output_type
+            stages[name].outputs[dst] = _edge_plan(spec, name, dst, out_tp, sig.streaming_output)
+        upstream = spec.upstream(name) or [CLIENT]
+        _bind_inputs(spec, stages, sigs, name, upstream)
+    return PipelinePlan(spec, stages)
+
+
+def _bind_inputs(
+    spec: PipelineSpec,
+    stages: dict[str, StagePlan],
+    sigs: dict[str, StageSignature],
+    name: str,
+    upstream: list[str],
+) -> None:
+    sig = sigs[name]
+    path = f"stages.{name}"
+    if len(upstream) == 1 and len(sig.inputs) == 1:
+        pairs = [(upstream[0], sig.inputs[0])]
+    else:
+        by_name = {i.name: i for i in sig.inputs}
+        if set(by_name) != set(upstream):
+            raise ConfigError(
+                f"stage {name!r} has inputs from {sorted(upstream)}, so process() must "
+                f"name one parameter after each; it has {sorted(by_name)}",
+                path=path,
+            )
+        pairs = [(up, by_name[up]) for up in upstream]
+    for up, inp in pairs:
+        if up == CLIENT:
+            produced, streaming = inp.type, False
+        else:
+            sup = sigs[up]
+            produced = sup.per_destination[name] if sup.per_destination else sup.output_type
+            streaming = sup.streaming_output
+        ename = edge_name(up, name)
+        if not _compatible(produced, inp.type):
+            raise ConfigError(
+                f"edge {ename}: {up!r} produces {_type_name(produced)} but {name!r} "
+                f"expects {_type_name(inp.type)} (parameter {inp.name!r})",
+                path=path,
+            )
+        if streaming and not inp.streaming:
+            raise ConfigError(
+                f"edge {ename}: {up!r} streams but {name!r} takes exactly one chunk; "
+                f"annotate parameter {inp.name!r} as Stream[{_type_name(inp.type)}]",
+                path=path,
+            )
+        if not (isinstance(inp.type, type) and issubclass(inp.type, msgspec.Struct)):
+            if inp.type is not Any:
+                raise ConfigError(
+                    f"parameter {inp.name!r} of {name!r} must be a msgspec.Struct payload, "
+                    f"not {_type_name(inp.type)}",
+                    path=path,
+                )
+        stages[name].inputs[inp.name] = _edge_plan(spec, up, name, inp.type, streaming)

@@ -1,0 +1,148 @@
+"""ZMQ sockets driven straight from the event loop.
+
+``zmq.asyncio`` wraps every receive in a future, which costs about twice a raw wake-up on
+small messages. Instead each socket's file descriptor is registered with
+``loop.add_reader`` and drained synchronously into a callback until it would block. ZMQ's
+descriptor is edge-triggered, so after every send on a two-way socket the socket is
+re-checked for pending input.
+
+Data sockets use a high-water mark of 0: ZMQ never silently drops, and memory is bounded by
+stagewire's own credit windows instead. Inbound messages are capped in size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+__all__ = ("Outbox", "SocketReader", "bind_ephemeral", "new_context")
+
+#: Frames per message the readers accept before treating a message as garbage.
+MAX_FRAMES = 64
+
+
+def new_context() -> zmq.Context[Any]:
+    """A ZMQ context for one process; the caller terminates it."""
+    return zmq.Context()
+
+
+def bind_ephemeral(sock: zmq.Socket[Any], address: str) -> str:
+    """Bind ``sock`` to ``address``, where a TCP port of 0 means any free port.
+
+    Returns:
+        The endpoint actually bound, with the chosen port.
+    """
+    if address.startswith("tcp://") and address.endswith(":0"):
+        address = address[:-2] + ":*"
+    sock.bind(address)
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(endpoint, bytes)
+    return endpoint.decode()
+
+
+class SocketReader:
+    """Drains one socket into ``on_message`` whenever it becomes readable.
+
+    ``on_message`` receives the list of frames as ``bytes``; it must not block, and any
+    exception it raises is passed to ``on_error`` so one bad message never stops the reader.
+    """
+
+    __slots__ = ("_loop", "_on_error", "_on_message", "_registered", "_scheduled", "sock")
+
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        on_message: Callable[[list[bytes]], None],
+        on_error: Callable[[BaseException, list[bytes]], None],
+    ) -> None:
+        self.sock = sock
+        self._on_message = on_message
+        self._on_error = on_error
+        self._loop = asyncio.get_running_loop()
+        self._registered = False
+        self._scheduled = False
+
+    def start(self) -> None:
+        """Watch the socket; input already queued is drained at once."""
+        self._loop.add_reader(self._fd(), self._drain)
+        self._registered = True
+        self.kick()
+
+    def _fd(self) -> int:
+        fd = self.sock.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
+        return fd
+
+    def kick(self) -> None:
+        """Re-check for input soon: call after sending on a two-way socket."""
+        if not self._scheduled and self._registered:
+            self._scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        sock = self.sock
+        # A bounded batch per wake-up keeps one busy socket from starving the loop.
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return  # closed under us during shutdown
+            try:
+                self._on_message(frames)
+            except Exception as exc:
+                self._on_error(exc, frames)
+        self.kick()
+
+    def stop(self) -> None:
+        """Stop watching the socket (it stays open)."""
+        if self._registered:
+            self._registered = False
+            try:
+                self._loop.remove_reader(self._fd())
+            except (zmq.ZMQError, ValueError, OSError):
+                pass
+
+
+class Outbox:
+    """One PUSH socket per peer endpoint, connected lazily and reused."""
+
+    __slots__ = ("_ctx", "_socks", "_sockopts")
+
+    def __init__(self, ctx: zmq.Context[Any], sockopts: dict[int, int] | None = None) -> None:
+        self._ctx = ctx
+        self._socks: dict[str, zmq.Socket[Any]] = {}
+        self._sockopts = sockopts or {}
+
+    def _socket(self, endpoint: str) -> zmq.Socket[Any]:
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            for opt, value in self._sockopts.items():
+                sock.setsockopt(opt, value)
+            sock.connect(endpoint)
+            self._socks[endpoint] = sock
+        return sock
+
+    def send(self, endpoint: str, frames: Sequence[bytes | memoryview]) -> None:
+        """Queue ``frames`` as one message to ``endpoint``; never blocks (HWM 0)."""
+        self._socket(endpoint).send_multipart(frames, zmq.NOBLOCK, copy=True)
+
+    def forget(self, endpoint: str) -> None:
+        """Close the socket to an endpoint that went away."""
+        sock = self._socks.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        """Close every socket; idempotent."""
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()

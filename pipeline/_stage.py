@@ -1,0 +1,136 @@
+"""What a user writes: a :class:`Stage` subclass with one ``process`` method.
+
+``process`` takes one parameter per input and a :class:`Context`:
+
+- a plain annotation ``T`` receives exactly one chunk;
+- ``Stream[T]`` receives ordered chunks while upstream still produces them;
+- with several inputs, each parameter is named after its upstream stage.
+
+It returns one value (a single final chunk) or is an async generator (a stream). To send
+different payloads to different downstream stages, return or yield an :class:`Outputs`
+subclass whose fields are named after those stages; a field left ``None`` sends nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ClassVar, Generic, TypeVar
+
+import msgspec
+import structlog
+from pydantic import BaseModel
+
+from pipeline._errors import EndOfChannel
+
+__all__ = ("Context", "Outputs", "Stage", "Stream")
+
+T = TypeVar("T")
+
+
+class Stream(Generic[T]):
+    """Ordered chunks of one input, consumed while upstream is still producing.
+
+    Iterate it once with ``async for``; iteration ends after the final chunk.
+    """
+
+    __slots__ = ("_next",)
+
+    def __init__(self, next_item: Callable[[], Awaitable[T]]) -> None:
+        self._next = next_item
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        """The next chunk's payload.
+
+        Raises:
+            StopAsyncIteration: the final chunk has been consumed.
+            ChunkGap: the next chunk did not arrive within the edge's chunk timeout.
+            PayloadError: the chunk did not match the declared type.
+            TransportError: the chunk's payload could not be fetched.
+        """
+        try:
+            return await self._next()
+        except EndOfChannel:
+            raise StopAsyncIteration from None
+
+
+class Outputs(msgspec.Struct, kw_only=True):
+    """Base for per-destination outputs: one field per downstream stage, named after it.
+
+    Example::
+
+        class PreprocessOut(Outputs):
+            encode: Pixels | None = None
+            prefill: TokenIds | None = None
+    """
+
+
+class Context:
+    """Per-request facts and services handed to ``process``.
+
+    Attributes:
+        request_id: the request being processed.
+        stage: this stage's name.
+        replica: this replica's index.
+        log: a structlog logger bound to request_id, stage and replica.
+    """
+
+    __slots__ = ("_cancelled", "log", "replica", "request_id", "stage")
+
+    def __init__(self, request_id: str, stage: str, replica: int) -> None:
+        self.request_id = request_id
+        self.stage = stage
+        self.replica = replica
+        self._cancelled = False
+        self.log: Any = structlog.get_logger("stagewire.stage").bind(
+            request_id=request_id, stage=stage, replica=replica
+        )
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the request was aborted; long CPU loops may poll it."""
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Mark the request cancelled (the runtime also cancels the handler's task)."""
+        self._cancelled = True
+
+    async def checkpoint(self) -> None:
+        """Yield to the event loop, raising if the request was cancelled.
+
+        Raises:
+            asyncio.CancelledError: the request was aborted.
+        """
+        if self._cancelled:
+            raise asyncio.CancelledError
+        await asyncio.sleep(0)
+
+
+class Stage:
+    """Base of every stage. Subclasses define ``async def process(self, x, ctx)``.
+
+    Attributes:
+        Params: an optional pydantic model validating the spec's ``params``.
+        params: the validated params (an instance of ``Params``), or ``None``.
+        name: the stage's name in the pipeline.
+        replica: this replica's index.
+        device: the device from the stage's spec (``cpu``, ``cuda:0``, ...).
+    """
+
+    Params: ClassVar[type[BaseModel] | None] = None
+
+    def __init__(self, *, params: Any, name: str, replica: int, device: str) -> None:
+        self.params = params
+        self.name = name
+        self.replica = replica
+        self.device = device
+        self.log: Any = structlog.get_logger("stagewire.stage").bind(stage=name, replica=replica)
+
+    async def setup(self) -> None:
+        """Run once per process before any request, e.g. to load a model."""
+
+    async def teardown(self) -> None:
+        """Run once per process at shutdown."""

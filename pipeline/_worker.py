@@ -1,0 +1,281 @@
+"""The worker entry point: one process serving one replica of one stage.
+
+``stagewire worker`` on a remote host and the local launcher of ``stagewire run`` and the
+embedded :class:`~pipeline.Pipeline` all come here, so there is one code path::
+
+    python -m pipeline._worker --master tcp://HOST:PORT --stage NAME [--replica K]
+
+The worker binds its own ephemeral data port, registers with the master (retrying until
+the master answers, so start order does not matter), sets its stage up, and serves until
+told to shut down. If the master goes silent past the heartbeat timeout it exits cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+
+from pipeline._actor import StageActor
+from pipeline._config import PipelineSpec
+from pipeline._errors import FailureInfo, PipelineError
+from pipeline._host import host_identity
+from pipeline._logging import configure_logging
+from pipeline._messages import (
+    Abort,
+    Admit,
+    Assignment,
+    ControlToWorker,
+    Drop,
+    Failed,
+    Heartbeat,
+    Peers,
+    Ready,
+    Register,
+    SetupFailed,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+)
+from pipeline._signature import build_plan
+from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
+
+__all__ = ("EXIT_MASTER_LOST", "EXIT_SETUP_FAILED", "main", "run_worker")
+
+EXIT_SETUP_FAILED = 3
+EXIT_MASTER_LOST = 4
+#: Largest control message accepted, in bytes.
+MAX_CONTROL_MESSAGE = 64 * 1024 * 1024
+#: Largest data message accepted, in bytes.
+MAX_DATA_MESSAGE = 1 << 30
+
+log = structlog.get_logger("stagewire.worker")
+_decode_control = msgspec.msgpack.Decoder(ControlToWorker).decode  # type: ignore[arg-type]
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        # The parent died before prctl took effect.
+        raise SystemExit(EXIT_MASTER_LOST)
+
+
+class _Worker:
+    def __init__(self, master: str, stage: str, replica: int, bind_host: str) -> None:
+        self.stage = stage
+        self.replica = replica
+        self.host = host_identity()
+        self.zctx = new_context()
+        self.control = self.zctx.socket(zmq.DEALER)
+        self.control.setsockopt(zmq.IDENTITY, f"{stage}/{replica}/{os.getpid()}".encode())
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+        self.control.connect(master)
+        self.inbox = self.zctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.RCVHWM, 0)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_MESSAGE)
+        self.endpoint = bind_ephemeral(self.inbox, f"tcp://{bind_host}:0")
+        self.outbox = Outbox(self.zctx)
+        self.assignment: asyncio.Future[Assignment] | None = None
+        self.actor: StageActor | None = None
+        self.stop = asyncio.Event()
+        self.last_seen = time.monotonic()
+        self.garbage = 0
+        self.control_reader = SocketReader(self.control, self._on_control, self._on_error)
+        self.data_reader: SocketReader | None = None
+
+    def send_control(self, msg: Any) -> None:
+        self.control.send(_encode(msg), zmq.NOBLOCK)
+        self.control_reader.kick()
+
+    def _on_error(self, exc: BaseException, frames: list[bytes]) -> None:
+        self.garbage += 1
+        log.warning("message_failed", stage=self.stage, error=repr(exc))
+
+    def _on_control(self, frames: list[bytes]) -> None:
+        try:
+            msg = _decode_control(frames[-1])
+        except msgspec.DecodeError:
+            self.garbage += 1
+            return
+        self.last_seen = time.monotonic()
+        actor = self.actor
+        match msg:
+            case Admit(request_id=rid, route=route) if actor is not None:
+                actor.admit(rid, route)
+            case Abort(request_id=rid, reason=reason) if actor is not None:
+                actor.abort(rid, reason)
+            case Drop(request_id=rid) if actor is not None:
+                actor.forget(rid)
+            case Peers(peers=peers) if actor is not None:
+                actor.set_peers(peers)
+            case Assignment() if self.assignment is not None and not self.assignment.done():
+                self.assignment.set_result(msg)
+            case StatsRequest(token=token) if actor is not None:
+                stats = actor.statistics()
+                stats["garbage"] += self.garbage
+                self.send_control(StatsReply(self.stage, self.replica, token, stats))
+            case Shutdown():
+                self.stop.set()
+            case _:
+                pass
+
+    async def register(self, timeout: float) -> Assignment:
+        self.assignment = asyncio.get_running_loop().create_future()
+        self.control_reader.start()
+        register = Register(self.stage, self.replica, self.host, os.getpid(), self.endpoint)
+        deadline = time.monotonic() + timeout
+        while True:
+            self.send_control(register)
+            try:
+                async with asyncio.timeout(1.0):
+                    return await asyncio.shield(self.assignment)
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+                if self.stop.is_set():
+                    raise
+
+    def report_failure(self, info: FailureInfo) -> None:
+        self.send_control(Failed(self.stage, self.replica, info))
+
+    async def serve(self, connect_timeout: float) -> int:
+        try:
+            assignment = await self.register(connect_timeout)
+        except TimeoutError:
+            log.error("master_unreachable", stage=self.stage, timeout=connect_timeout)
+            return EXIT_MASTER_LOST
+        try:
+            spec = PipelineSpec.from_dict(assignment.spec, source="<master>")
+            plan = build_plan(spec).stages[self.stage]
+            instance = plan.signature.cls(
+                params=plan.params, name=self.stage, replica=self.replica, device=plan.spec.device
+            )
+            await instance.setup()
+        except (PipelineError, Exception) as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            log.error("stage_setup_failed", stage=self.stage, error=message)
+            self.send_control(SetupFailed(self.stage, self.replica, message))
+            await asyncio.sleep(0.05)  # let the message leave before the socket closes
+            return EXIT_SETUP_FAILED
+        actor = StageActor(
+            plan,
+            instance,
+            replica=self.replica,
+            host=self.host,
+            endpoint=self.endpoint,
+            send=self.outbox.send,
+            report_failure=self.report_failure,
+        )
+        actor.set_peers(assignment.peers, assignment.client)
+        self.actor = actor
+        self.data_reader = SocketReader(self.inbox, actor.on_data, self._on_error)
+        self.data_reader.start()
+        self.send_control(Ready(self.stage, self.replica))
+        log.info("stage_started", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
+        defaults = spec.defaults
+        code = await self._heartbeat(defaults.heartbeat_interval, 2 * defaults.heartbeat_timeout)
+        await actor.aclose()
+        try:
+            await instance.teardown()
+        except Exception as exc:
+            log.warning("stage_teardown_failed", stage=self.stage, error=repr(exc))
+        return code
+
+    async def _heartbeat(self, interval: float, master_timeout: float) -> int:
+        while not self.stop.is_set():
+            assert self.actor is not None
+            self.send_control(Heartbeat(self.stage, self.replica, self.actor.inflight))
+            self.actor.sweep(time.monotonic())
+            if time.monotonic() - self.last_seen > master_timeout:
+                log.error("master_lost", stage=self.stage, silent_for=master_timeout)
+                return EXIT_MASTER_LOST
+            try:
+                async with asyncio.timeout(interval):
+                    await self.stop.wait()
+            except TimeoutError:
+                pass
+        return 0
+
+    def close(self) -> None:
+        self.control_reader.stop()
+        if self.data_reader is not None:
+            self.data_reader.stop()
+        self.outbox.close()
+        self.control.close(linger=0)
+        self.inbox.close(linger=0)
+        self.zctx.term()
+
+
+async def run_worker(
+    master: str,
+    stage: str,
+    replica: int = 0,
+    *,
+    bind_host: str = "127.0.0.1",
+    connect_timeout: float = 300.0,
+) -> int:
+    """Serve one replica of ``stage`` for the master at ``master``; returns an exit code."""
+    worker = _Worker(master, stage, replica, bind_host)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, worker.stop.set)
+    try:
+        return await worker.serve(connect_timeout)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        worker.close()
+
+
+def parser() -> argparse.ArgumentParser:
+    """The worker's command-line arguments (shared with ``stagewire worker``)."""
+    p = argparse.ArgumentParser(prog="stagewire worker", description=__doc__.split("\n")[0])
+    p.add_argument("--master", required=True, help="the master's control endpoint")
+    p.add_argument("--stage", required=True, help="the stage this worker serves")
+    p.add_argument("--replica", type=int, default=0, help="the replica index (default 0)")
+    p.add_argument("--bind-host", default="127.0.0.1", help="address for the data port")
+    p.add_argument(
+        "--connect-timeout", type=float, default=300.0, help="seconds to reach the master"
+    )
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--headless", action="store_true", help="no terminal output but logs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a worker from command-line arguments; returns the exit code."""
+    args = parser().parse_args(argv)
+    configure_logging()
+    if args.parent_pid is not None:
+        # A locally launched worker: the master handles Ctrl-C and shuts us down in order.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _die_with_parent(args.parent_pid)
+    return asyncio.run(
+        run_worker(
+            args.master,
+            args.stage,
+            args.replica,
+            bind_host=args.bind_host,
+            connect_timeout=args.connect_timeout,
+        )
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

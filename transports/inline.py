@@ -1,0 +1,141 @@
+"""The inline transport: the payload travels inside the envelope itself.
+
+It has no capacity to run out of and holds no resources, so ``release`` is a no-op and a
+descriptor can be read any number of times. ``auto`` picks it for small payloads.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from pipeline._encoded import Encoded
+from pipeline._errors import TransportError
+from pipeline._keys import ChunkKey
+from transports._protocol import (
+    Descriptor,
+    EdgeContext,
+    TransportCapabilities,
+    TransportStatistics,
+)
+
+__all__ = ("InlineDescriptor", "InlineReceiver", "InlineSender", "InlineTransport")
+
+
+class InlineDescriptor(Descriptor, frozen=True, tag="inline", array_like=True):
+    """The whole payload: its header and every out-of-band buffer."""
+
+    header: bytes
+    buffers: list[bytes]
+
+
+_decoder = msgspec.msgpack.Decoder(InlineDescriptor)
+
+
+class InlineSender:
+    """Producer end: copies the payload into a descriptor."""
+
+    __slots__ = ("_closed", "_edge", "bytes", "chunks")
+
+    def __init__(self, edge: EdgeContext) -> None:
+        self._edge = edge
+        self._closed = False
+        self.chunks = 0
+        self.bytes = 0
+
+    async def put(
+        self, key: ChunkKey, encoded: Encoded, *, timeout: float | None = None
+    ) -> InlineDescriptor:
+        """Wrap ``encoded`` in a descriptor; never waits.
+
+        Raises:
+            TransportError: the sender is closed.
+        """
+        if self._closed:
+            raise TransportError(f"inline sender for edge {self._edge.edge!r} is closed")
+        self.chunks += 1
+        self.bytes += encoded.nbytes
+        return InlineDescriptor(encoded.header, [bytes(b) for b in encoded.buffers])
+
+    def statistics(self) -> TransportStatistics:
+        """Chunks and bytes put so far."""
+        return TransportStatistics(
+            "inline", self.chunks, self.bytes, by_transport={"inline": self.chunks}
+        )
+
+    async def aclose(self) -> None:
+        """Mark the sender closed; idempotent."""
+        self._closed = True
+
+
+class InlineReceiver:
+    """Consumer end: the descriptor already holds the payload."""
+
+    __slots__ = ("_closed", "_edge", "bytes", "chunks")
+
+    def __init__(self, edge: EdgeContext) -> None:
+        self._edge = edge
+        self._closed = False
+        self.chunks = 0
+        self.bytes = 0
+
+    def decode_descriptor(self, raw: bytes | memoryview) -> InlineDescriptor:
+        """Parse an inline descriptor.
+
+        Raises:
+            TransportError: ``raw`` is not an inline descriptor.
+        """
+        try:
+            return _decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise TransportError(f"edge {self._edge.edge!r}: bad inline descriptor: {exc}") from exc
+
+    async def get(self, descriptor: Descriptor) -> Encoded:
+        """Return the payload the descriptor carries.
+
+        Raises:
+            TransportError: the descriptor is not an inline one, or the receiver is closed.
+        """
+        if self._closed:
+            raise TransportError(f"inline receiver for edge {self._edge.edge!r} is closed")
+        if not isinstance(descriptor, InlineDescriptor):
+            raise TransportError(
+                f"edge {self._edge.edge!r}: inline receiver got a {type(descriptor).__name__}"
+            )
+        encoded = Encoded(descriptor.header, tuple(descriptor.buffers))
+        self.chunks += 1
+        self.bytes += encoded.nbytes
+        return encoded
+
+    async def release(self, descriptor: Descriptor) -> None:
+        """Nothing to free: the payload lived in the envelope."""
+
+    def statistics(self) -> TransportStatistics:
+        """Chunks and bytes received so far."""
+        return TransportStatistics(
+            "inline", self.chunks, self.bytes, by_transport={"inline": self.chunks}
+        )
+
+    async def aclose(self) -> None:
+        """Mark the receiver closed; idempotent."""
+        self._closed = True
+
+
+class InlineTransport:
+    """Payloads inside the envelope: no copies beyond the envelope's own, no resources."""
+
+    name: ClassVar[str] = "inline"
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities()
+
+    def __init__(self, **options: object) -> None:
+        if options:
+            raise TransportError(f"the inline transport takes no options, got {sorted(options)}")
+
+    def open_sender(self, edge: EdgeContext) -> InlineSender:
+        """Open the producer's end."""
+        return InlineSender(edge)
+
+    def open_receiver(self, edge: EdgeContext) -> InlineReceiver:
+        """Open the consumer's end."""
+        return InlineReceiver(edge)
