@@ -10,6 +10,7 @@ releases everything held for the request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from pipeline._stage import Context, Outputs, Stage, Stream
 __all__ = ("StageActor",)
 
 log = structlog.get_logger("stagewire.actor")
-_decode_data = msgspec.msgpack.Decoder(DataMessage).decode  # type: ignore[arg-type]  # a union
+_decode_data = msgspec.msgpack.Decoder(DataMessage).decode
 
 #: How many finished request ids a replica remembers, to discard their late chunks.
 FINISHED_MEMORY = 65536
@@ -54,8 +55,8 @@ class _Request:
         "request_id",
         "route",
         "started",
-        "task",
         "taken",
+        "task",
     )
 
     def __init__(self, request_id: str, buffers: dict[str, ReorderBuffer[Item]]) -> None:
@@ -268,7 +269,7 @@ class StageActor:
                 kwargs: dict[str, Any] = {}
                 for param, edge in self.plan.inputs.items():
                     if param in self._stream_params:
-                        kwargs[param] = Stream(lambda e=edge.name: self._next(req, e))
+                        kwargs[param] = Stream(functools.partial(self._next, req, edge.name))
                     else:
                         kwargs[param] = await self._single(req, edge)
                 await self._produce(req, ctx, kwargs)

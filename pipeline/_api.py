@@ -16,6 +16,7 @@ import structlog
 from pipeline._config import PipelineSpec
 from pipeline._errors import EndOfChannel, PayloadError
 from pipeline._launcher import LocalLauncher
+from pipeline._logging import configure_logging
 from pipeline._master import Master
 from pipeline._orchestrator import ClientRequest
 from pipeline._signature import PipelinePlan, build_plan
@@ -158,6 +159,8 @@ class Pipeline:
             StageUnavailable: replicas did not become ready within ``startup_timeout``.
             PipelineError: a stage failed to import or set up.
         """
+        if not structlog.is_configured():
+            configure_logging()
         self._master = Master(self.plan)
         await self._master.start()
         if launch:
@@ -246,5 +249,3 @@ class Pipeline:
         launcher, self._launcher = self._launcher, None
         if launcher is not None:
             await launcher.aclose()
-
-

@@ -17,7 +17,7 @@ import functools
 import math
 import sys
 import threading
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
 
@@ -36,7 +36,7 @@ class _Ref(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
     """The header's stand-in for one tensor or array: what its buffer holds, and where."""
 
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)], ...]
     index: int
     device: str = "cpu"
 
@@ -46,11 +46,7 @@ _REF_DECODER = msgspec.msgpack.Decoder(_Ref)
 
 
 class _CallState(threading.local):
-    """The buffers of the encode or decode in progress on this thread.
-
-    msgspec's hooks are fixed when the encoder is built, so the buffers of the current call
-    reach them through here; a thread-local keeps codecs shared between threads safe.
-    """
+    """The buffers of this thread's call in progress, which msgspec's fixed hooks read here."""
 
     outgoing: list[Buffer] | None = None
     incoming: tuple[Buffer, ...] = ()
@@ -130,8 +126,6 @@ def _buffer_for(ref: _Ref, itemsize: int) -> memoryview:
     buffers = _state.incoming
     if not 0 <= ref.index < len(buffers):
         raise PayloadError(f"buffer {ref.index} is referenced but only {len(buffers)} were sent")
-    if any(n < 0 for n in ref.shape):
-        raise PayloadError(f"invalid shape {ref.shape} for buffer {ref.index}")
     view = memoryview(buffers[ref.index])
     expected = math.prod(ref.shape) * itemsize
     if view.nbytes != expected:
@@ -156,11 +150,8 @@ def _decode_tensor(ref: _Ref) -> Any:
     view = _buffer_for(ref, dtype.itemsize)
     # frombuffer refuses empty buffers; an empty uint8 tensor viewed as ``dtype`` also avoids
     # allocating dtypes (complex32) whose constructors warn.
-    raw = (
-        torch.frombuffer(view, dtype=torch.uint8)
-        if view.nbytes
-        else torch.empty(0, dtype=torch.uint8)
-    )
+    u8 = torch.uint8
+    raw = torch.frombuffer(view, dtype=u8) if view.nbytes else torch.empty(0, dtype=u8)
     t = raw.view(dtype).reshape(ref.shape)
     if ref.device == "cpu":
         return t
@@ -183,7 +174,8 @@ def _decode_array(ref: _Ref) -> Any:
             dtype = np.lib.format.descr_to_dtype(ast.literal_eval(ref.dtype))
         else:
             dtype = np.dtype(ref.dtype)
-    except (ValueError, TypeError, SyntaxError) as e:
+    # literal_eval and descr_to_dtype raise many kinds of error on malformed input.
+    except Exception as e:
         raise PayloadError(f"unknown array dtype {ref.dtype!r}") from e
     if dtype.hasobject:
         raise PayloadError("numpy arrays of Python objects are not accepted")
@@ -199,11 +191,13 @@ def _ext_hook(code: int, data: memoryview) -> Any:
         ref = _REF_DECODER.decode(data)
     except msgspec.DecodeError as e:
         raise PayloadError(f"malformed buffer reference in header: {e}") from e
-    if code == _EXT_TENSOR:
-        return _decode_tensor(ref)
-    if code == _EXT_NDARRAY:
-        return _decode_array(ref)
-    raise PayloadError(f"unknown extension type {code} in header")
+    if code not in (_EXT_TENSOR, _EXT_NDARRAY):
+        raise PayloadError(f"unknown extension type {code} in header")
+    try:
+        return _decode_tensor(ref) if code == _EXT_TENSOR else _decode_array(ref)
+    # A shape that fits the buffer can still be too large for torch or numpy, e.g. (0, 2**63).
+    except (RuntimeError, ValueError, OverflowError) as e:
+        raise PayloadError(f"cannot rebuild a {ref.dtype} array of shape {ref.shape}: {e}") from e
 
 
 def _dec_hook(type_: Any, obj: Any) -> Any:
@@ -254,6 +248,9 @@ class PayloadCodec(Generic[T]):
     Args:
         type_: the declared payload type: a ``msgspec.Struct`` class, any type msgspec can
             decode, or ``Any``.
+
+    Attributes:
+        type: the declared payload type.
     """
 
     __slots__ = ("_check", "_decoder", "type")

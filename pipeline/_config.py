@@ -362,7 +362,7 @@ class PipelineSpec(_Spec):
             ConfigError: the file cannot be read, is not valid YAML, or is not a valid
                 pipeline; the message names the file, the field and the line.
         """
-        return cls._from_document(read_yaml_file(path))
+        return cls._validate(read_yaml_file(path))
 
     @classmethod
     def from_yaml_text(cls, text: str, *, source: str = "<string>") -> PipelineSpec:
@@ -371,7 +371,7 @@ class PipelineSpec(_Spec):
         Raises:
             ConfigError: the text is not valid YAML or not a valid pipeline.
         """
-        return cls._from_document(parse_yaml(text, source=source))
+        return cls._validate(parse_yaml(text, source=source))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> PipelineSpec:
@@ -380,7 +380,8 @@ class PipelineSpec(_Spec):
         Raises:
             ConfigError: ``data`` is not a valid pipeline; ``source`` names it.
         """
-        return cls._validate(data, YamlDocument(data, source))
+        # A dict has no lines; the document only lends its source name to errors.
+        return cls._validate(YamlDocument(data, source))
 
     def to_dict(self) -> dict[str, Any]:
         """Return the spec as JSON-able data, with YAML's key names.
@@ -391,11 +392,9 @@ class PipelineSpec(_Spec):
         return self.model_dump(mode="json", by_alias=True)
 
     @classmethod
-    def _from_document(cls, doc: YamlDocument) -> PipelineSpec:
-        return cls._validate(doc.data, doc)
-
-    @classmethod
-    def _validate(cls, data: object, doc: YamlDocument) -> PipelineSpec:
+    def _validate(cls, doc: YamlDocument) -> PipelineSpec:
+        """Validate ``doc.data``, reporting failures at their place in ``doc``."""
+        data = doc.data
         if not isinstance(data, Mapping):
             what = "an empty document" if data is None else f"a {type(data).__name__}"
             raise ConfigError(

@@ -74,7 +74,9 @@ class LocalLauncher:
             env=self._env(stage),
         )
         self.procs[(stage, replica)] = proc
-        self._watchers.append(asyncio.get_running_loop().create_task(self._watch(stage, replica, proc)))
+        self._watchers.append(
+            asyncio.get_running_loop().create_task(self._watch(stage, replica, proc))
+        )
         return proc.pid
 
     async def _watch(self, stage: str, replica: int, proc: asyncio.subprocess.Process) -> None:

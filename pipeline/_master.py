@@ -43,7 +43,7 @@ from pipeline._worker import MAX_CONTROL_MESSAGE, MAX_DATA_MESSAGE
 __all__ = ("Master",)
 
 log = structlog.get_logger("stagewire.master")
-_decode = msgspec.msgpack.Decoder(ControlToMaster).decode  # type: ignore[arg-type]  # a union
+_decode = msgspec.msgpack.Decoder(ControlToMaster).decode
 _encode = msgspec.msgpack.Encoder().encode
 
 

@@ -14,6 +14,7 @@ from pipeline._errors import FailureInfo
 from pipeline._keys import ChunkKey
 
 __all__ = (
+    "NO_DESCRIPTOR",
     "Abort",
     "Admit",
     "Assignment",
@@ -28,7 +29,6 @@ __all__ = (
     "Peer",
     "PeerTable",
     "Peers",
-    "NO_DESCRIPTOR",
     "Ready",
     "Register",
     "SetupFailed",

@@ -33,7 +33,7 @@ from pipeline._signature import PipelinePlan
 
 __all__ = ("ClientRequest", "Orchestrator", "ReplicaView")
 
-_decode_data = msgspec.msgpack.Decoder(DataMessage).decode  # type: ignore[arg-type]  # a union
+_decode_data = msgspec.msgpack.Decoder(DataMessage).decode
 
 
 class ReplicaView:
@@ -195,8 +195,8 @@ class Orchestrator:
                     item, final = task.result()
                 except EndOfChannel:
                     continue
-                except PipelineError:
-                    raise req.error if req.error is not None else task.exception() from None
+                except PipelineError as exc:
+                    raise (req.error or exc) from None
                 if item.descriptor is None:
                     continue  # the end of a streaming sink
                 ch = self._from_sinks[sink]

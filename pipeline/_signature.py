@@ -338,11 +338,11 @@ def _bind_inputs(
                 f"annotate parameter {inp.name!r} as Stream[{_type_name(inp.type)}]",
                 path=path,
             )
-        if not (isinstance(inp.type, type) and issubclass(inp.type, msgspec.Struct)):
-            if inp.type is not Any:
-                raise ConfigError(
-                    f"parameter {inp.name!r} of {name!r} must be a msgspec.Struct payload, "
-                    f"not {_type_name(inp.type)}",
-                    path=path,
-                )
+        is_struct = isinstance(inp.type, type) and issubclass(inp.type, msgspec.Struct)
+        if not is_struct and inp.type is not Any:
+            raise ConfigError(
+                f"parameter {inp.name!r} of {name!r} must be a msgspec.Struct payload, "
+                f"not {_type_name(inp.type)}",
+                path=path,
+            )
         stages[name].inputs[inp.name] = _edge_plan(spec, up, name, inp.type, streaming)

@@ -13,6 +13,7 @@ stagewire's own credit windows instead. Inbound messages are capped in size.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -103,16 +104,14 @@ class SocketReader:
         """Stop watching the socket (it stays open)."""
         if self._registered:
             self._registered = False
-            try:
+            with contextlib.suppress(zmq.ZMQError, ValueError, OSError):
                 self._loop.remove_reader(self._fd())
-            except (zmq.ZMQError, ValueError, OSError):
-                pass
 
 
 class Outbox:
     """One PUSH socket per peer endpoint, connected lazily and reused."""
 
-    __slots__ = ("_ctx", "_socks", "_sockopts")
+    __slots__ = ("_ctx", "_sockopts", "_socks")
 
     def __init__(self, ctx: zmq.Context[Any], sockopts: dict[int, int] | None = None) -> None:
         self._ctx = ctx

@@ -59,7 +59,7 @@ MAX_CONTROL_MESSAGE = 64 * 1024 * 1024
 MAX_DATA_MESSAGE = 1 << 30
 
 log = structlog.get_logger("stagewire.worker")
-_decode_control = msgspec.msgpack.Decoder(ControlToWorker).decode  # type: ignore[arg-type]
+_decode_control = msgspec.msgpack.Decoder(ControlToWorker).decode
 _encode = msgspec.msgpack.Encoder().encode
 
 

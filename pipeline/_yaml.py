@@ -117,7 +117,16 @@ def parse_yaml(text: str, *, source: str = "<string>") -> YamlDocument:
         ConfigError: the text is not valid YAML, holds several documents, or repeats a
             key within one mapping.
     """
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as e:
+        # The reader refuses control characters up front; it knows the offset, not the line.
+        where = e.position if isinstance(e.position, int) else 0
+        raise ConfigError(
+            f"invalid YAML: unacceptable character #x{e.character:04x}: {e.reason}",
+            file=source,
+            line=text.count("\n", 0, where) + 1,
+        ) from e
     try:
         node = loader.get_single_node()
         if node is None:
@@ -129,8 +138,7 @@ def parse_yaml(text: str, *, source: str = "<string>") -> YamlDocument:
     except yaml.MarkedYAMLError as e:
         raise _yaml_error(e, source) from e
     except yaml.YAMLError as e:
-        # Reader errors (a NUL byte, say) carry a position but no mark.
-        raise ConfigError(f"invalid YAML: {e}", file=source) from e
+        raise ConfigError(f"invalid YAML: {' '.join(str(e).split())}", file=source) from e
     finally:
         loader.dispose()
 
@@ -220,7 +228,8 @@ class _Walker:
 def _yaml_error(e: yaml.MarkedYAMLError, source: str) -> ConfigError:
     """Describe a PyYAML error in one line, at the line of the problem."""
     mark = e.problem_mark or e.context_mark
-    parts = [p for p in (e.context, e.problem) if p]
+    # PyYAML's own text can span lines; a ConfigError is one line.
+    parts = [" ".join(p.split()) for p in (e.context, e.problem) if p]
     what = ", ".join(parts) if parts else "syntax error"
     return ConfigError(
         f"invalid YAML: {what}", file=source, line=mark.line + 1 if mark is not None else None

@@ -54,7 +54,9 @@ def resolve_transport(name: str) -> type[Transport]:
     else:
         found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
         if not found:
-            known = sorted({*BUILTIN, AUTO, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+            known = sorted(
+                {*BUILTIN, AUTO, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}
+            )
             raise ConfigError(f"unknown transport {name!r}; known: {', '.join(known)}")
         cls = found[0].load()
     for attr in ("name", "capabilities", "open_sender", "open_receiver"):

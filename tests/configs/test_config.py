@@ -264,6 +264,11 @@ def test_helpers_refuse_unknown_names() -> None:
             "p.yaml:2: invalid YAML: expected a single document",
             id="two-documents",
         ),
+        pytest.param(
+            "name: x\nstages: \x00\n",
+            "p.yaml:2: invalid YAML: unacceptable character #x0000",
+            id="control-character",
+        ),
         pytest.param("- a\n- b\n", "p.yaml:1: expected a mapping", id="top-level-list"),
         pytest.param("", "p.yaml:1: expected a mapping", id="empty"),
         pytest.param(

@@ -1,0 +1,220 @@
+"""The ``stagewire`` command line.
+
+::
+
+    stagewire run CONFIG [--input JSON | --input-file FILE.jsonl] [--requests N] [--concurrency C]
+    stagewire validate CONFIG
+    stagewire worker --master tcp://HOST:PORT --stage NAME [--replica K] [--headless]
+
+Errors print one line with no traceback unless ``--debug`` is given. Exit codes:
+0 success, 1 some requests failed, 2 bad configuration or input, 3 the pipeline failed to
+start, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipeline._api import Pipeline
+from pipeline._errors import ConfigError, PayloadError, PipelineError
+from pipeline._logging import configure_logging
+from pipeline._report import render_tables
+
+__all__ = ("EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_START", "main")
+
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_START = 3
+EXIT_INTERRUPTED = 130
+
+
+class _Fail(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _json_default(obj: Any) -> Any:
+    """Summarise what JSON cannot hold (tensors, arrays, bytes) instead of failing."""
+    shape = getattr(obj, "shape", None)
+    if shape is not None:
+        return {"dtype": str(getattr(obj, "dtype", "?")), "shape": list(shape)}
+    if isinstance(obj, bytes | bytearray | memoryview):
+        return {"bytes": len(obj)}
+    raise NotImplementedError(type(obj).__name__)
+
+
+_to_json = msgspec.json.Encoder(enc_hook=_json_default).encode
+
+
+def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
+    sources = pipe.plan.sources
+    if len(sources) != 1:
+        raise _Fail(f"'run' supports one source stage; this pipeline has {sources}", EXIT_CONFIG)
+    tp = next(iter(pipe.plan.stages[sources[0]].inputs.values())).payload_type
+    if args.input is not None:
+        lines = [("--input", args.input)]
+    elif args.input_file is not None:
+        try:
+            text = Path(args.input_file).read_text()
+        except OSError as exc:
+            raise _Fail(f"cannot read {args.input_file}: {exc.strerror}", EXIT_CONFIG) from exc
+        lines = [
+            (f"{args.input_file}:{n}", line)
+            for n, line in enumerate(text.splitlines(), 1)
+            if line.strip()
+        ]
+    else:
+        raise _Fail("give --input JSON or --input-file FILE.jsonl", EXIT_CONFIG)
+    values = []
+    for where, line in lines:
+        try:
+            values.append(msgspec.json.decode(line, type=tp))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            name = getattr(tp, "__name__", str(tp))
+            raise _Fail(f"{where}: not a valid {name}: {exc}", EXIT_CONFIG) from exc
+    if not values:
+        raise _Fail(f"{args.input_file}: no inputs", EXIT_CONFIG)
+    return values
+
+
+async def _run(args: argparse.Namespace, console: Console) -> int:
+    try:
+        pipe = Pipeline.from_yaml(args.config)
+    except ConfigError as exc:
+        raise _Fail(str(exc), EXIT_CONFIG) from exc
+    inputs = _read_inputs(pipe, args)
+    total = args.requests or len(inputs)
+    t0 = time.perf_counter()
+    with console.status(
+        f"starting {pipe.spec.name}: {sum(s.replicas for s in pipe.spec.stages.values())} workers"
+    ):
+        try:
+            await pipe.start()
+        except PipelineError as exc:
+            raise _Fail(str(exc), EXIT_START) from exc
+    started = time.perf_counter() - t0
+    failures: list[str] = []
+    outputs: list[tuple[int, Any]] = []
+    try:
+        queue = iter(enumerate(itertools.islice(itertools.cycle(inputs), total)))
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[failed]} failed"),
+            console=console,
+            transient=not console.is_terminal,
+        )
+        with progress:
+            task = progress.add_task("requests", total=total, failed=0)
+
+            async def client() -> None:
+                for i, value in queue:
+                    try:
+                        outputs.append((i, await pipe.submit(value)))
+                    except PipelineError as exc:
+                        failures.append(f"request {i}: {exc}")
+                        progress.update(task, failed=len(failures))
+                    progress.advance(task)
+
+            t1 = time.perf_counter()
+            await asyncio.gather(*(client() for _ in range(max(1, args.concurrency))))
+            elapsed = time.perf_counter() - t1
+        stats = await pipe.statistics()
+    finally:
+        await pipe.aclose()
+    outputs.sort(key=lambda o: o[0])
+    shown = outputs if args.print_outputs else outputs[: min(3, len(outputs))]
+    for i, out in shown:
+        sys.stdout.write(f"{i}: {_to_json(out).decode()}\n")
+    if len(shown) < len(outputs):
+        console.print(f"({len(outputs) - len(shown)} more outputs; --print-outputs shows all)")
+    for table in render_tables(stats):
+        console.print(table)
+    console.print(
+        f"{total - len(failures)}/{total} requests ok in {elapsed:.2f}s "
+        f"({total / elapsed:.0f} req/s at concurrency {args.concurrency}); "
+        f"workers started in {started:.2f}s"
+    )
+    for line in failures[:5]:
+        console.print(f"[red]failed[/red] {line}")
+    return EXIT_FAILED if failures else 0
+
+
+def _validate(args: argparse.Namespace, console: Console) -> int:
+    try:
+        pipe = Pipeline.from_yaml(args.config)
+    except ConfigError as exc:
+        raise _Fail(str(exc), EXIT_CONFIG) from exc
+    spec = pipe.spec
+    console.print(
+        f"{args.config}: ok: pipeline {spec.name!r}, {len(spec.stages)} stages, "
+        f"{len(spec.edges)} edges, sources {pipe.plan.sources}, sinks {pipe.plan.sinks}"
+    )
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    from pipeline._worker import parser as worker_parser
+
+    p = argparse.ArgumentParser(prog="stagewire", description="Staged inference pipelines.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a pipeline locally over a batch of inputs")
+    run.add_argument("config")
+    group = run.add_mutually_exclusive_group()
+    group.add_argument("--input", help="one input as JSON")
+    group.add_argument("--input-file", help="inputs as JSON lines")
+    run.add_argument("--requests", type=int, default=0, help="requests to send (cycles inputs)")
+    run.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    run.add_argument("--print-outputs", action="store_true", help="print every output")
+    val = sub.add_parser("validate", help="check a pipeline file without starting anything")
+    val.add_argument("config")
+    sub.add_parser(
+        "worker",
+        help="serve one stage replica for a master",
+        parents=[worker_parser()],
+        add_help=False,
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``stagewire`` command; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:
+        from pipeline._worker import main as worker_main
+
+        return worker_main(argv[1:])
+    args = _parser().parse_args(argv)
+    configure_logging()
+    console = Console(stderr=True)
+    try:
+        if args.command == "validate":
+            return _validate(args, console)
+        return asyncio.run(_run(args, console))
+    except _Fail as exc:
+        if args.debug:
+            raise
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        return exc.code
+    except PayloadError as exc:
+        if args.debug:
+            raise
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return EXIT_INTERRUPTED

@@ -1,0 +1,105 @@
+"""The end-of-run table: per-stage and per-edge figures from the replicas' statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+__all__ = ("edge_rows", "render_tables", "stage_rows")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _us(v: float) -> str:
+    return f"{v / 1000:.2f} ms" if v >= 1000 else f"{v:.0f} µs"
+
+
+def stage_rows(replicas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per stage replica: requests, failures, chunks and process latency."""
+    rows = []
+    for r in replicas:
+        rows.append(
+            {
+                "stage": f"{r['stage']}[{r['replica']}]",
+                "requests": r["completed"],
+                "failed": r["failed"],
+                "aborted": r["aborted"],
+                "chunks_in": sum(i["chunks"] for i in r["inputs"]),
+                "chunks_out": sum(o["chunks"] for o in r["outputs"]),
+                "p50_us": r["process_p50_us"],
+                "p99_us": r["process_p99_us"],
+            }
+        )
+    return rows
+
+
+def edge_rows(replicas: list[dict[str, Any]], client: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per edge: chunks, bytes, transports actually used and hop latency."""
+    sent: dict[str, dict[str, Any]] = {}
+    hops: dict[str, dict[str, Any]] = {}
+    for r in [*replicas, client]:
+        for o in r["outputs"]:
+            row = sent.setdefault(
+                o["edge"], {"chunks": 0, "bytes": 0, "used": {}, "transport": o["transport"]}
+            )
+            row["chunks"] += o["chunks"]
+            row["bytes"] += o["bytes"]
+            for name, n in o["used"].items():
+                row["used"][name] = row["used"].get(name, 0) + n
+        for i in r["inputs"]:
+            hops.setdefault(i["edge"], i)
+    rows = []
+    for edge, row in sent.items():
+        used = ", ".join(f"{k} {v}" for k, v in sorted(row["used"].items())) or "-"
+        hop = hops.get(edge, {})
+        rows.append(
+            {
+                "edge": edge,
+                "chunks": row["chunks"],
+                "bytes": row["bytes"],
+                "transport": row["transport"],
+                "used": used,
+                "p50_us": hop.get("hop_p50_us", 0.0),
+                "p99_us": hop.get("hop_p99_us", 0.0),
+            }
+        )
+    return rows
+
+
+def render_tables(stats: dict[str, Any]) -> list[Table]:
+    """Rich tables for the stages and the edges of a run."""
+    stages = Table(title="stages", title_justify="left")
+    for col in ("stage", "requests", "failed", "aborted", "chunks in", "chunks out", "p50", "p99"):
+        stages.add_column(col, justify="left" if col == "stage" else "right")
+    for row in stage_rows(stats["replicas"]):
+        stages.add_row(
+            row["stage"],
+            str(row["requests"]),
+            str(row["failed"]),
+            str(row["aborted"]),
+            str(row["chunks_in"]),
+            str(row["chunks_out"]),
+            _us(row["p50_us"]),
+            _us(row["p99_us"]),
+        )
+    edges = Table(title="edges", title_justify="left")
+    for col in ("edge", "chunks", "bytes", "transport", "used", "hop p50", "hop p99"):
+        edges.add_column(col, justify="right" if col in ("chunks", "bytes") else "left")
+    for row in edge_rows(stats["replicas"], stats["client"]):
+        edges.add_row(
+            row["edge"],
+            str(row["chunks"]),
+            _size(row["bytes"]),
+            row["transport"],
+            row["used"],
+            _us(row["p50_us"]),
+            _us(row["p99_us"]),
+        )
+    return [stages, edges]
