@@ -113,6 +113,8 @@ class StageActor:
             )
         self._chunk_timeout = max(e.chunk_timeout for e in plan.inputs.values())
         self.latency = LatencyRecorder()
+        #: The most chunks one (request, edge) ever held waiting: the window bounds it.
+        self.peak_buffered = 0
         self.counts = dict.fromkeys(
             ("started", "completed", "failed", "aborted", "garbage", "late", "duplicates"), 0
         )
@@ -210,8 +212,11 @@ class StageActor:
             channel.discard(item)
             return
         req = self._request(rid)
-        if not req.buffers[chunk.key.edge].offer(chunk.key.seq, item, chunk.final):
+        buf = req.buffers[chunk.key.edge]
+        if not buf.offer(chunk.key.seq, item, chunk.final):
             self.counts["duplicates"] += 1
+        elif buf.buffered > self.peak_buffered:
+            self.peak_buffered = buf.buffered
         self._maybe_start(req)
 
     def _request(self, request_id: str) -> _Request:
@@ -364,6 +369,7 @@ class StageActor:
             "replica": self.replica,
             "active": len(self._requests),
             "open_windows": sum(o.open_windows for o in self._outputs.values()),
+            "peak_buffered": self.peak_buffered,
             **self.counts,
             "process_p50_us": self.latency.percentile(50),
             "process_p99_us": self.latency.percentile(99),

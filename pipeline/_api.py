@@ -148,9 +148,9 @@ class Pipeline:
         return self._master_or_fail().endpoint
 
     @property
-    def worker_pids(self) -> list[int]:
-        """Pids of the local worker processes still running."""
-        return self._launcher.pids if self._launcher else []
+    def worker_pids(self) -> dict[tuple[str, int], int]:
+        """Pids of the local worker processes still running, by (stage, replica)."""
+        return self._launcher.pids if self._launcher else {}
 
     async def start(self, *, launch: bool = True) -> None:
         """Start the master and (unless ``launch`` is false) every local worker.

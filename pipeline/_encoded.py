@@ -10,7 +10,9 @@ __all__ = ("Buffer", "Encoded")
 Buffer = bytes | bytearray | memoryview
 
 
-@dataclass(slots=True, frozen=True)
+# Not frozen: a frozen dataclass sets fields through object.__setattr__, which doubled the
+# cost of encoding a small payload.
+@dataclass(slots=True)
 class Encoded:
     """A payload ready for a transport.
 

@@ -86,9 +86,9 @@ class LocalLauncher:
             self._on_exit(stage, replica, code)
 
     @property
-    def pids(self) -> list[int]:
-        """Pids of the processes still running."""
-        return [p.pid for p in self.procs.values() if p.returncode is None]
+    def pids(self) -> dict[tuple[str, int], int]:
+        """Pids of the processes still running, by (stage, replica)."""
+        return {key: p.pid for key, p in self.procs.items() if p.returncode is None}
 
     async def aclose(self, grace: float = 5.0) -> None:
         """Wait ``grace`` seconds for workers to exit, then terminate, then kill."""

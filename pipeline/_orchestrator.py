@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,11 @@ from pipeline._signature import PipelinePlan
 __all__ = ("ClientRequest", "Orchestrator", "ReplicaView")
 
 _decode_data = msgspec.msgpack.Decoder(DataMessage).decode
+
+
+def _consume_outcome(task: asyncio.Task[tuple[Item, bool]]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class ReplicaView:
@@ -145,8 +151,11 @@ class Orchestrator:
         route = {stage: r.replica for stage, r in chosen.items()}
         req = ClientRequest(rid, route)
         for sink, ch in self._from_sinks.items():
+            # The client waits on sinks without a chunk timeout: a sink's first chunk may
+            # follow the whole pipeline's work. Gaps are detected by the stages themselves,
+            # dead replicas by the master, and a stuck request by its request_timeout.
             req.buffers[sink] = ReorderBuffer(
-                rid, ch.plan.name, chunk_timeout=ch.plan.chunk_timeout, on_discard=ch.discard
+                rid, ch.plan.name, chunk_timeout=math.inf, on_discard=ch.discard
             )
         self.requests[rid] = req
         self.counts["submitted"] += 1
@@ -191,6 +200,8 @@ class Orchestrator:
                 if task not in done:
                     continue
                 del req.pending[sink]
+                if task.cancelled():
+                    raise req.error or RequestAborted(req.request_id, "cancelled")
                 try:
                     item, final = task.result()
                 except EndOfChannel:
@@ -218,7 +229,9 @@ class Orchestrator:
         if req.timer is not None:
             req.timer.cancel()
         for task in req.pending.values():
-            task.cancel()
+            # Aborting the buffers below wakes these with the request's error; nobody may
+            # await them any more, so retrieve the outcome to keep asyncio quiet.
+            task.add_done_callback(_consume_outcome)
         for buf in req.buffers.values():
             if exc is not None:
                 buf.abort(exc)

@@ -1,0 +1,1 @@
+"""Reproducible benchmarks of stagewire against raw baselines measured in the same run."""

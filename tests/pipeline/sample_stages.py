@@ -1,0 +1,163 @@
+"""Stages used by the runtime tests; worker processes import them by path."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+import msgspec
+from pydantic import BaseModel
+
+from pipeline import Context, Outputs, Stage, Stream
+from stages.text import Text, Token
+
+
+class Echo(Stage):
+    """Returns its input; fails on 'boom', returns a wrong type on 'badtype'."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        if "boom" in text.value:
+            raise ValueError(f"cannot echo {text.value!r}")
+        if text.value == "badtype":
+            return Token(0, "not a Text")  # type: ignore[return-value]  # on purpose
+        if text.value.startswith("sleep"):
+            await asyncio.sleep(float(text.value.split()[1]))
+        return Text(text.value)
+
+
+class Tokens(Stage):
+    """Streams the words of a text; 'stall' stops after one token and never ends."""
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Token]:
+        for i, word in enumerate(text.value.split()):
+            if word == "stall" and i > 0:
+                await asyncio.sleep(3600)
+            yield Token(i, word)
+
+
+class Relay(Stage):
+    """Passes tokens on as they arrive; fails the request on the token 'boom'."""
+
+    async def process(self, tokens: Stream[Token], ctx: Context) -> AsyncIterator[Token]:
+        async for token in tokens:
+            if token.value == "boom":
+                raise RuntimeError("relay refused 'boom'")
+            yield token
+
+
+class Collect(Stage):
+    """Joins tokens, checking their order."""
+
+    async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
+        words: list[str] = []
+        async for token in tokens:
+            assert token.index == len(words), (token.index, len(words))
+            words.append(token.value)
+        return Text(" ".join(words))
+
+
+class Blob(msgspec.Struct):
+    """A large opaque payload."""
+
+    seq: int
+    data: bytes
+
+
+class Flood(Stage):
+    """Streams ``count`` blobs of ``size`` bytes as fast as it can."""
+
+    class Params(BaseModel):
+        count: int = 1000
+        size: int = 256 * 1024
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Blob]:
+        assert isinstance(self.params, Flood.Params)
+        data = os.urandom(self.params.size)
+        for i in range(self.params.count):
+            yield Blob(i, data)
+
+
+class Drain(Stage):
+    """Consumes blobs slowly and reports how many came, in order."""
+
+    class Params(BaseModel):
+        delay: float = 0.002
+
+    async def process(self, blobs: Stream[Blob], ctx: Context) -> Text:
+        assert isinstance(self.params, Drain.Params)
+        n = 0
+        async for blob in blobs:
+            assert blob.seq == n
+            n += 1
+            await asyncio.sleep(self.params.delay)
+        return Text(str(n))
+
+
+class Pixels(msgspec.Struct):
+    """Stand-in for image pixels."""
+
+    values: list[int]
+
+
+class Ids(msgspec.Struct):
+    """Stand-in for token ids."""
+
+    ids: list[int]
+
+
+class Split(Outputs):
+    """Different payloads for different downstream stages."""
+
+    encode: Pixels
+    prefill: Ids
+
+
+class Pre(Stage):
+    """Sends pixels to 'encode' and ids to 'prefill'."""
+
+    async def process(self, text: Text, ctx: Context) -> Split:
+        codes = [ord(c) for c in text.value]
+        return Split(encode=Pixels(codes), prefill=Ids([len(codes)]))
+
+
+class Encode(Stage):
+    """Doubles the pixel values."""
+
+    async def process(self, pixels: Pixels, ctx: Context) -> Pixels:
+        return Pixels([v * 2 for v in pixels.values])
+
+
+class Prefill(Stage):
+    """Joins ids from 'pre' and pixels from 'encode' for the same request."""
+
+    async def process(self, pre: Ids, encode: Pixels, ctx: Context) -> Text:
+        assert pre.ids == [len(encode.values)]
+        return Text("".join(chr(v // 2) for v in encode.values) + f"|{pre.ids[0]}")
+
+
+class Batched(Stage):
+    """Upper-cases texts in batches, tagging each with the size of its batch."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        return (await self.process_batch([text], [ctx]))[0]
+
+    async def process_batch(self, texts: list[Text], ctxs: list[Context]) -> list[Text]:
+        await asyncio.sleep(0.001)
+        return [Text(f"{t.value.upper()}#{len(texts)}") for t in texts]
+
+
+class Gauge(Stage):
+    """Reports how many requests run in this replica at once (for max_concurrency)."""
+
+    running = 0
+    peak = 0
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        Gauge.running += 1
+        Gauge.peak = max(Gauge.peak, Gauge.running)
+        try:
+            await asyncio.sleep(0.02)
+            return Text(f"{self.replica}:{Gauge.peak}")
+        finally:
+            Gauge.running -= 1

@@ -1,0 +1,142 @@
+"""Failure semantics: one request fails, the pipeline goes on; nothing hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_asyncio
+
+from pipeline import (
+    ChunkGap,
+    PayloadError,
+    Pipeline,
+    RequestAborted,
+    RequestTimeout,
+    StageError,
+)
+from stages.text import Text, Token
+from tests.pipeline.conftest import settled, spec, wait_for
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def chain():
+    """tokens -> relay -> collect, with a 1 s chunk timeout."""
+    s = spec(
+        {"tokens": ":Tokens", "relay": ":Relay", "collect": ":Collect"},
+        [("tokens", "relay"), ("relay", "collect")],
+        chunk_timeout="1s",
+    )
+    async with Pipeline(s) as pipe:
+        yield pipe
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def echo():
+    """A single Echo stage with a 1.5 s request timeout."""
+    async with Pipeline(spec({"echo": ":Echo"}, [], request_timeout="1.5s")) as pipe:
+        yield pipe
+
+
+async def test_stage_exception_fails_only_that_request(chain: Pipeline) -> None:
+    """A request whose stage raises gets StageError naming the stage; the others complete."""
+    texts = [("a boom c" if i % 4 == 0 else f"a b{i} c") for i in range(40)]
+    results = await asyncio.gather(
+        *(chain.submit(Text(t)) for t in texts), return_exceptions=True
+    )
+    for text, result in zip(texts, results, strict=True):
+        if "boom" in text:
+            assert isinstance(result, StageError)
+            assert result.stage == "relay"
+            assert "relay refused 'boom'" in str(result)
+        else:
+            assert result == Text(text)
+    assert await chain.submit(Text("still fine")) == Text("still fine")
+
+
+async def test_wrong_output_type_fails_only_that_request(echo: Pipeline) -> None:
+    """A stage returning the wrong payload type fails that request with PayloadError."""
+    bad, good = await asyncio.gather(
+        echo.submit(Text("badtype")), echo.submit(Text("good")), return_exceptions=True
+    )
+    assert isinstance(bad, PayloadError)
+    assert "Text" in str(bad) and "Token" in str(bad)
+    assert good == Text("good")
+
+
+async def test_wrong_input_type_is_refused_before_admission(echo: Pipeline) -> None:
+    """An input of the wrong type raises PayloadError at submit and admits nothing."""
+    with pytest.raises(PayloadError, match="must be Text, got Token"):
+        await echo.submit(Token(0, "x"))
+    assert (await echo.statistics())["client"]["submitted"] >= 0
+    assert await echo.submit(Text("ok")) == Text("ok")
+
+
+async def test_missing_chunk_fails_with_chunk_gap_not_a_hang(chain: Pipeline) -> None:
+    """A producer that stops mid-stream yields ChunkGap naming edge and seq after the timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(ChunkGap) as info:
+        await chain.submit(Text("first stall"))
+    elapsed = time.monotonic() - t0
+    # Both relay and collect wait on seq 1 with the same timeout; whichever reports first
+    # fails the request, and either names a real gap.
+    assert info.value.edge in ("tokens->relay", "relay->collect")
+    assert info.value.seq == 1
+    assert info.value.request_id in str(info.value)
+    assert 0.9 <= elapsed < 5.0
+    assert await chain.submit(Text("after gap")) == Text("after gap")
+    await wait_for(lambda: settled(chain))
+
+
+async def test_request_deadline_fails_with_request_timeout(echo: Pipeline) -> None:
+    """A request running past request_timeout fails with RequestTimeout, and is aborted."""
+    with pytest.raises(RequestTimeout):
+        await echo.submit(Text("sleep 30"))
+    await wait_for(lambda: settled(echo))
+
+
+async def test_cancelling_stream_aborts_the_request_in_every_stage(chain: Pipeline) -> None:
+    """Closing a stream early aborts the request at every stage, which then holds nothing."""
+    before = {
+        r["stage"]: r["aborted"] for r in (await chain.statistics())["replicas"]
+    }
+    stream = chain.stream(Text("x stall"))
+    rid = await stream.start()
+
+    async def held_everywhere() -> bool:
+        stats = await chain.statistics()
+        return all(r["active"] == 1 for r in stats["replicas"])
+
+    await wait_for(held_everywhere)
+    await stream.aclose()
+    await wait_for(lambda: settled(chain))
+    after = {r["stage"]: r["aborted"] for r in (await chain.statistics())["replicas"]}
+    assert all(after[s] == before[s] + 1 for s in before), (before, after)
+    assert not await chain.abort(rid)
+
+
+async def test_cancelling_the_client_task_aborts(chain: Pipeline) -> None:
+    """Cancelling the task awaiting submit() aborts the request everywhere."""
+    task = asyncio.ensure_future(chain.submit(Text("y stall")))
+
+    async def admitted() -> bool:
+        return (await chain.statistics())["client"]["active"] == 1
+
+    await wait_for(admitted)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: settled(chain))
+
+
+async def test_abort_by_request_id(chain: Pipeline) -> None:
+    """Pipeline.abort(request_id) fails the stream with RequestAborted."""
+    async with chain.stream(Text("z stall")) as stream:
+        assert stream.request_id is not None
+        assert await chain.abort(stream.request_id)
+        with pytest.raises(RequestAborted):
+            await anext(stream)
+    await wait_for(lambda: settled(chain))

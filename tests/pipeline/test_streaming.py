@@ -1,0 +1,117 @@
+"""End-to-end runs over real worker processes: ordering, fan-out, joins, batching."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import pytest_asyncio
+
+from pipeline import Pipeline, SinkOutput
+from stages.text import Text
+from tests.pipeline.conftest import spec
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def demo():
+    """The example pipeline of configs/demo.yaml, started once for the module."""
+    async with Pipeline.from_yaml("configs/demo.yaml") as pipe:
+        yield pipe
+
+
+async def test_every_stage_runs_in_its_own_process(demo: Pipeline) -> None:
+    """Each replica is a separate live process, none of them this one."""
+    pids = demo.worker_pids
+    assert set(pids) == {("split", 0), ("upper", 0), ("join", 0)}
+    assert len(set(pids.values())) == 3
+    assert os.getpid() not in pids.values()
+    for pid in pids.values():
+        os.kill(pid, 0)
+
+
+async def test_200_concurrent_requests_are_correct_and_in_order(demo: Pipeline) -> None:
+    """200 concurrent requests each get their own words back, upper-cased, in order."""
+    texts = [" ".join(f"w{i}x{j}" for j in range(1 + i % 17)) for i in range(200)]
+    outs = await asyncio.gather(*(demo.submit(Text(t)) for t in texts))
+    assert [o.value for o in outs] == [t.upper() for t in texts]
+
+
+async def test_stream_yields_the_sink_output(demo: Pipeline) -> None:
+    """stream() yields every sink chunk and ends after the final one."""
+    chunks = [c async for c in demo.stream(Text("one two three"))]
+    assert chunks == [Text("ONE TWO THREE")]
+
+
+async def test_empty_stream_still_completes(demo: Pipeline) -> None:
+    """A source that yields nothing still ends the stream downstream."""
+    assert await demo.submit(Text("")) == Text("")
+
+
+async def test_replicas_share_load_and_keep_order() -> None:
+    """With two relay replicas, requests spread over both and every stream stays ordered."""
+    s = spec(
+        {"tokens": ":Tokens", "relay": {"impl": ":Relay", "replicas": 2}, "collect": ":Collect"},
+        [("tokens", "relay"), ("relay", "collect")],
+    )
+    async with Pipeline(s) as pipe:
+        texts = [" ".join(str(k) for k in range(i % 40 + 1)) for i in range(100)]
+        outs = await asyncio.gather(*(pipe.submit(Text(t)) for t in texts))
+        assert [o.value for o in outs] == texts
+        stats = await pipe.statistics()
+        served = {r["replica"]: r["completed"] for r in stats["replicas"] if r["stage"] == "relay"}
+        assert set(served) == {0, 1}
+        assert sum(served.values()) == 100
+        assert min(served.values()) >= 30, served
+
+
+async def test_different_payloads_to_different_stages_and_join_by_request() -> None:
+    """Outputs route per destination and a two-input stage joins them by request id."""
+    s = spec(
+        {"pre": ":Pre", "encode": ":Encode", "prefill": ":Prefill"},
+        [("pre", "encode"), ("pre", "prefill"), ("encode", "prefill")],
+    )
+    async with Pipeline(s) as pipe:
+        words = [f"req{i}-" + "z" * (i % 9) for i in range(60)]
+        outs = await asyncio.gather(*(pipe.submit(Text(w)) for w in words))
+        assert [o.value for o in outs] == [f"{w}|{len(w)}" for w in words]
+
+
+async def test_batching_groups_concurrent_requests() -> None:
+    """process_batch receives batches of at most max_batch_size; outputs map back exactly."""
+    s = spec(
+        {"batch": {"impl": ":Batched", "max_batch_size": 8, "max_wait_ms": 30}},
+        [],
+    )
+    async with Pipeline(s) as pipe:
+        outs = await asyncio.gather(*(pipe.submit(Text(f"t{i}")) for i in range(40)))
+        sizes = []
+        for i, out in enumerate(outs):
+            value, size = out.value.split("#")
+            assert value == f"T{i}"
+            sizes.append(int(size))
+        assert max(sizes) <= 8
+        assert max(sizes) > 1, "no batching happened"
+
+
+async def test_max_concurrency_bounds_handlers_per_replica() -> None:
+    """No more than max_concurrency handlers of one replica run at once."""
+    s = spec({"gauge": {"impl": ":Gauge", "max_concurrency": 3}}, [])
+    async with Pipeline(s) as pipe:
+        outs = await asyncio.gather(*(pipe.submit(Text("x")) for _ in range(30)))
+        peaks = [int(o.value.split(":")[1]) for o in outs]
+        assert max(peaks) == 3
+
+
+async def test_several_sinks_report_which_sink_spoke() -> None:
+    """A pipeline with two sinks streams SinkOutput records and submit returns both."""
+    s = spec({"a": ":Echo", "b": ":Echo", "c": ":Echo"}, [("a", "b"), ("a", "c")])
+    async with Pipeline(s) as pipe:
+        assert await pipe.submit(Text("hi")) == {"b": Text("hi"), "c": Text("hi")}
+        chunks = [c async for c in pipe.stream(Text("yo"))]
+        assert sorted((c.stage, c.value.value) for c in chunks if isinstance(c, SinkOutput)) == [
+            ("b", "yo"),
+            ("c", "yo"),
+        ]
