@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -43,7 +44,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -513,8 +513,7 @@ def chain_spec(name: str, impls: tuple[str, str, str, str], window: int | None =
         "defaults": defaults,
         "stages": {n: {"impl": impl} for n, impl in zip(names, impls, strict=True)},
         "edges": [
-            {"from": a, "to": b, "transport": "inline"}
-            for a, b in zip(names, names[1:], strict=False)
+            {"from": a, "to": b, "transport": "inline"} for a, b in itertools.pairwise(names)
         ],
     }
 
@@ -694,7 +693,7 @@ def build_rows(r: dict[str, Any]) -> list[list[str]]:
 
     def row(metric: str, sw: str, base: str, ratio: float, target: str, ok: bool | None) -> None:
         status = "info" if ok is None else ("met" if ok else "**missed**")
-        rows.append([metric, sw, base, f"{ratio:.2f}×", target, status])
+        rows.append([metric, sw, base, f"{ratio:.2f}x", target, status])
 
     ratio = lat["hop_p50_us"] / pipe1k
     row(
@@ -702,7 +701,7 @@ def build_rows(r: dict[str, Any]) -> list[list[str]]:
         _fmt(lat["hop_p50_us"], "us"),
         f"pipe wake-up 1 KiB {_fmt(pipe1k, 'us')}",
         ratio,
-        f"≤ {TARGET_HOP_RATIO}×",
+        f"≤ {TARGET_HOP_RATIO}x",
         ratio <= TARGET_HOP_RATIO,
     )
     ratio = lat["envelope_hop_p50_us"] / pipe1k
@@ -711,7 +710,7 @@ def build_rows(r: dict[str, Any]) -> list[list[str]]:
         _fmt(lat["envelope_hop_p50_us"], "us"),
         f"pipe wake-up 1 KiB {_fmt(pipe1k, 'us')}",
         ratio,
-        f"≤ {TARGET_HOP_RATIO}×",
+        f"≤ {TARGET_HOP_RATIO}x",
         ratio <= TARGET_HOP_RATIO,
     )
     z1k = zr["pingpong_1024B"]["one_way_p50_us"]

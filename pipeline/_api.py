@@ -152,6 +152,12 @@ class Pipeline:
         """Pids of the local worker processes still running, by (stage, replica)."""
         return self._launcher.pids if self._launcher else {}
 
+    @property
+    def data_endpoints(self) -> dict[tuple[str, int], str]:
+        """Where each registered replica receives data, by (stage, replica)."""
+        master = self._master_or_fail()
+        return {key: rep.endpoint for key, rep in master.replicas.items() if rep.alive}
+
     async def start(self, *, launch: bool = True) -> None:
         """Start the master and (unless ``launch`` is false) every local worker.
 

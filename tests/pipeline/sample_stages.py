@@ -161,3 +161,13 @@ class Gauge(Stage):
             return Text(f"{self.replica}:{Gauge.peak}")
         finally:
             Gauge.running -= 1
+
+
+class BrokenSetup(Stage):
+    """Fails in setup, as a stage whose model cannot load would."""
+
+    async def setup(self) -> None:
+        raise OSError("weights file is missing")
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        return text

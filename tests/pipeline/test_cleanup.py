@@ -1,0 +1,89 @@
+"""Per-request state is released in every stage after completion, failure and abort."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from pipeline import Pipeline, PipelineError
+from stages.text import Text
+from tests.pipeline.conftest import settled, spec, wait_for
+
+
+async def _one(pipe: Pipeline, i: int, rng: random.Random) -> str:
+    kind = rng.choice(["ok", "ok", "ok", "fail", "abort"])
+    words = [f"w{k}" for k in range(rng.randint(1, 12))]
+    if kind == "fail":
+        words.insert(rng.randint(0, len(words)), "boom")
+    if kind == "abort":
+        words.append("stall")
+    text = " ".join(words)
+    if kind == "abort":
+        stream = pipe.stream(Text(text))
+        await stream.start()
+        await asyncio.sleep(rng.random() * 0.01)
+        await stream.aclose()
+        return "abort"
+    try:
+        out = await pipe.submit(Text(text))
+    except PipelineError:
+        return "fail"
+    assert out == Text(text), (out, text)
+    return "ok"
+
+
+async def test_nothing_is_left_in_any_stage_after_1000_requests() -> None:
+    """1000 mixed requests (ok, failed, aborted) leave no request state, window or slot."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    s = spec(
+        {"tokens": ":Tokens", "relay": {"impl": ":Relay", "replicas": 2}, "collect": ":Collect"},
+        [("tokens", "relay"), ("relay", "collect")],
+        chunk_timeout="5s",
+    )
+    async with Pipeline(s) as pipe:
+        sem = asyncio.Semaphore(32)
+
+        async def bounded(i: int) -> str:
+            async with sem:
+                return await _one(pipe, i, rng)
+
+        kinds = await asyncio.gather(*(bounded(i) for i in range(1000)))
+        assert {"ok", "fail", "abort"} <= set(kinds)
+        assert kinds.count("fail") + kinds.count("ok") + kinds.count("abort") == 1000
+        await wait_for(lambda: settled(pipe), timeout=20)
+        stats = await pipe.statistics()
+        client = stats["client"]
+        assert client["submitted"] == 1000
+        assert client["completed"] == kinds.count("ok")
+        assert client["failed"] == kinds.count("fail")
+        assert client["aborted"] == kinds.count("abort")
+        for r in stats["replicas"]:
+            assert r["active"] == 0, r
+            assert r["open_windows"] == 0, r
+        # The admission slots all came back: a full window of new requests still runs.
+        outs = await asyncio.gather(*(pipe.submit(Text(f"a{i} b")) for i in range(64)))
+        assert [o.value for o in outs] == [f"a{i} b" for i in range(64)]
+
+
+@pytest.mark.parametrize("max_inflight", [4])
+async def test_admission_is_bounded_by_max_inflight(max_inflight: int) -> None:
+    """No more than max_inflight requests are admitted at once; the rest wait their turn."""
+    s = spec({"echo": ":Echo"}, [], max_inflight=max_inflight)
+    async with Pipeline(s) as pipe:
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, (await pipe.statistics())["client"]["active"])
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.ensure_future(watch())
+        outs = await asyncio.gather(*(pipe.submit(Text("sleep 0.05")) for _ in range(16)))
+        watcher.cancel()
+        assert all(o == Text("sleep 0.05") for o in outs)
+        assert 1 <= peak <= max_inflight

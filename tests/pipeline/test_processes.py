@@ -1,0 +1,197 @@
+"""Process lifecycle: clean shutdown, Ctrl-C, kill -9, and garbage on sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from pipeline import Pipeline, PipelineError, StageUnavailable
+from stages.text import Text
+from tests.pipeline.conftest import spec, wait_for
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid``."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def _gone(pids: list[int], timeout: float = 10.0) -> None:
+    async def probe() -> bool:
+        return not any(_alive(p) for p in pids)
+
+    await wait_for(probe, timeout=timeout)
+
+
+def _write_config(tmp_path: Path, stage: str = "Echo", replicas: int = 1) -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "defaults: {heartbeat_interval: 200ms, heartbeat_timeout: 2s}\n"
+        "stages:\n"
+        f"  echo: {{impl: 'tests.pipeline.sample_stages:{stage}', replicas: {replicas},"
+        " max_concurrency: 64}\n"
+    )
+    return path
+
+
+async def test_no_process_left_after_exit() -> None:
+    """Leaving the async-with stops every worker process."""
+    async with Pipeline(spec({"a": ":Echo", "b": ":Echo"}, [("a", "b")])) as pipe:
+        pids = list(pipe.worker_pids.values())
+        assert len(pids) == 2
+        assert await pipe.submit(Text("x")) == Text("x")
+    assert not any(_alive(p) for p in pids)
+    assert not _children(os.getpid())
+
+
+async def test_setup_failure_fails_start_and_leaves_nothing() -> None:
+    """A stage whose setup raises makes start fail with its message; no process remains."""
+    with pytest.raises(PipelineError, match="weights file is missing"):
+        async with Pipeline(spec({"a": ":Echo", "b": ":BrokenSetup"}, [("a", "b")])):
+            pytest.fail("started despite a broken stage")
+    await _gone(_children(os.getpid()))
+
+
+async def test_kill_9_worker_fails_only_its_requests() -> None:
+    """kill -9 of one replica fails its in-flight requests; the other replica's complete."""
+    s = spec({"echo": {"impl": ":Echo", "replicas": 2}}, [])
+    async with Pipeline(s) as pipe:
+        tasks = [asyncio.ensure_future(pipe.submit(Text("sleep 1.5"))) for _ in range(10)]
+
+        async def admitted() -> bool:
+            return (await pipe.statistics())["client"]["active"] == 10
+
+        await wait_for(admitted)
+        victim = pipe.worker_pids[("echo", 0)]
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        lost = [r for r in results if isinstance(r, StageUnavailable)]
+        ok = [r for r in results if r == Text("sleep 1.5")]
+        assert len(lost) + len(ok) == 10, results
+        assert len(lost) == 5 and len(ok) == 5
+        assert all(r.stage == "echo" and "replica 0" in str(r) for r in lost)
+        assert time.monotonic() - t0 < 5
+        # New requests go to the surviving replica.
+        outs = await asyncio.gather(*(pipe.submit(Text(f"n{i}")) for i in range(10)))
+        assert [o.value for o in outs] == [f"n{i}" for i in range(10)]
+
+
+async def test_garbage_on_sockets_is_dropped_and_counted() -> None:
+    """Garbage on a worker's data port and the master's control port is counted, not fatal."""
+    async with Pipeline(spec({"echo": ":Echo"}, [])) as pipe:
+        endpoint = pipe.data_endpoints[("echo", 0)]
+        ctx = zmq.Context()
+        try:
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 1000)
+            push.connect(endpoint)
+            for frames in ([b"\x00\xff garbage"], [b"a", b"b", b"c"], [b"\x93\xa1c\x01\x02"]):
+                push.send_multipart(frames)
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 1000)
+            dealer.connect(pipe.master_endpoint)
+            dealer.send(b"\xc1 not msgpack")
+            push.close()
+            dealer.close()
+        finally:
+            ctx.term()
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=2) as raw:
+            raw.sendall(os.urandom(4096))
+
+        async def counted() -> bool:
+            stats = await pipe.statistics()
+            return stats["replicas"][0]["garbage"] >= 3 and stats["garbage"] >= 1
+
+        await wait_for(counted)
+        assert await pipe.submit(Text("still serving")) == Text("still serving")
+
+
+def _stagewire(tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
+    """Start ``stagewire`` in its own session, its stderr going to ``tmp_path/err``."""
+    with (tmp_path / "err").open("wb") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
+
+
+async def _workers_of(proc: subprocess.Popen[bytes], count: int) -> list[int]:
+    async def up() -> bool:
+        return len(_children(proc.pid)) >= count
+
+    await wait_for(up, timeout=30)
+    return _children(proc.pid)
+
+
+async def test_ctrl_c_stops_run_and_every_worker(tmp_path: Path) -> None:
+    """SIGINT to the run's process group exits 130 and leaves no worker behind."""
+    cfg = _write_config(tmp_path)
+    proc = _stagewire(tmp_path, "run", str(cfg), "--input", '{"value": "sleep 5"}', "--requests", "50")
+    try:
+        workers = await _workers_of(proc, 1)
+        await asyncio.sleep(1.0)  # let the run get going: Ctrl-C lands mid-run, not at start
+        os.killpg(proc.pid, signal.SIGINT)
+        code = await asyncio.to_thread(proc.wait, 30)
+        assert code == 130, (tmp_path / "err").read_text()
+        await _gone(workers)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_kill_9_master_takes_its_workers_down(tmp_path: Path) -> None:
+    """kill -9 of the run process makes every one of its workers exit by itself."""
+    cfg = _write_config(tmp_path, replicas=2)
+    proc = _stagewire(tmp_path, "run", str(cfg), "--input", '{"value": "sleep 5"}', "--requests", "50")
+    try:
+        workers = await _workers_of(proc, 2)
+        proc.kill()
+        proc.wait()
+        await _gone(workers, timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_start_failure_exits_3_with_one_line(tmp_path: Path) -> None:
+    """A stage failing setup makes run exit 3 with a one-line error and no worker left."""
+    cfg = _write_config(tmp_path, stage="BrokenSetup")
+    proc = _stagewire(tmp_path, "run", str(cfg), "--input", '{"value": "x"}')
+    assert await asyncio.to_thread(proc.wait, 60) == 3
+    err = (tmp_path / "err").read_text()
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "weights file is missing" in lines[0], err
+    assert "Traceback" not in err
