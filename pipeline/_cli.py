@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(argv[1:])
     args = _parser().parse_args(argv)
     configure_logging()
-    console = Console(stderr=True)
+    # Off a terminal (CI logs, pipes) keep table rows and error lines unwrapped.
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
     try:
         if args.command == "validate":
             return _validate(args, console)

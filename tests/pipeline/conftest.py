@@ -12,12 +12,12 @@ SAMPLE = "tests.pipeline.sample_stages"
 
 
 def spec(stages: dict[str, Any], edges: list[tuple[str, str]], **defaults: Any) -> PipelineSpec:
-    """A spec from ``{name: impl or dict}`` and ``[(from, to)]``, impls relative to SAMPLE."""
+    """A spec from ``{name: impl or dict}`` and ``[(from, to)]``; ``:Cls`` means SAMPLE:Cls."""
     full = {}
     for name, value in stages.items():
         entry = {"impl": value} if isinstance(value, str) else dict(value)
-        if ":" in entry["impl"] and "." not in entry["impl"].split(":")[0]:
-            entry["impl"] = f"{SAMPLE}:{entry['impl'].split(':')[1]}"
+        if entry["impl"].startswith(":"):
+            entry["impl"] = SAMPLE + entry["impl"]
         full[name] = entry
     return PipelineSpec.from_dict(
         {
@@ -34,7 +34,9 @@ async def wait_for(
 ) -> None:
     """Poll ``probe`` until it returns True, failing the test after ``timeout`` seconds."""
     async with asyncio.timeout(timeout):
-        while not await probe():
+        # The condition lives in other processes (their statistics), so there is no local
+        # event to wait on: poll it, bounded by the timeout.
+        while not await probe():  # noqa: ASYNC110
             await asyncio.sleep(interval)
 
 

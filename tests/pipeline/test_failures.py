@@ -44,9 +44,7 @@ async def echo():
 async def test_stage_exception_fails_only_that_request(chain: Pipeline) -> None:
     """A request whose stage raises gets StageError naming the stage; the others complete."""
     texts = [("a boom c" if i % 4 == 0 else f"a b{i} c") for i in range(40)]
-    results = await asyncio.gather(
-        *(chain.submit(Text(t)) for t in texts), return_exceptions=True
-    )
+    results = await asyncio.gather(*(chain.submit(Text(t)) for t in texts), return_exceptions=True)
     for text, result in zip(texts, results, strict=True):
         if "boom" in text:
             assert isinstance(result, StageError)
@@ -100,9 +98,7 @@ async def test_request_deadline_fails_with_request_timeout(echo: Pipeline) -> No
 
 async def test_cancelling_stream_aborts_the_request_in_every_stage(chain: Pipeline) -> None:
     """Closing a stream early aborts the request at every stage, which then holds nothing."""
-    before = {
-        r["stage"]: r["aborted"] for r in (await chain.statistics())["replicas"]
-    }
+    before = {r["stage"]: r["aborted"] for r in (await chain.statistics())["replicas"]}
     stream = chain.stream(Text("x stall"))
     rid = await stream.start()
 

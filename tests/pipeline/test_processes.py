@@ -157,7 +157,9 @@ async def _workers_of(proc: subprocess.Popen[bytes], count: int) -> list[int]:
 async def test_ctrl_c_stops_run_and_every_worker(tmp_path: Path) -> None:
     """SIGINT to the run's process group exits 130 and leaves no worker behind."""
     cfg = _write_config(tmp_path)
-    proc = _stagewire(tmp_path, "run", str(cfg), "--input", '{"value": "sleep 5"}', "--requests", "50")
+    proc = _stagewire(
+        tmp_path, "run", str(cfg), "--input", '{"value": "sleep 5"}', "--requests", "50"
+    )
     try:
         workers = await _workers_of(proc, 1)
         await asyncio.sleep(1.0)  # let the run get going: Ctrl-C lands mid-run, not at start
@@ -174,7 +176,9 @@ async def test_ctrl_c_stops_run_and_every_worker(tmp_path: Path) -> None:
 async def test_kill_9_master_takes_its_workers_down(tmp_path: Path) -> None:
     """kill -9 of the run process makes every one of its workers exit by itself."""
     cfg = _write_config(tmp_path, replicas=2)
-    proc = _stagewire(tmp_path, "run", str(cfg), "--input", '{"value": "sleep 5"}', "--requests", "50")
+    proc = _stagewire(
+        tmp_path, "run", str(cfg), "--input", '{"value": "sleep 5"}', "--requests", "50"
+    )
     try:
         workers = await _workers_of(proc, 2)
         proc.kill()

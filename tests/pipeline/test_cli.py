@@ -1,0 +1,81 @@
+"""The stagewire command: run, validate, exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_run_demo_reports_every_request_and_the_tables() -> None:
+    """run prints outputs, the per-stage and per-edge tables, and exits 0."""
+    res = _run(
+        "run",
+        "configs/demo.yaml",
+        "--input-file",
+        "configs/demo-inputs.jsonl",
+        "--requests",
+        "60",
+        "--concurrency",
+        "8",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "60/60 requests ok" in res.stderr
+    for word in ("stages", "edges", "split[0]", "upper->join", "inline", "hop p50"):
+        assert word in res.stderr, word
+    index, _, payload = res.stdout.splitlines()[0].partition(": ")
+    value = json.loads(payload)["value"]
+    assert index == "0"
+    assert value
+    assert value == value.upper()
+
+
+def test_failed_requests_exit_1(tmp_path: Path) -> None:
+    """When some requests fail, run still completes the others and exits 1."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("stages:\n  e: {impl: 'tests.pipeline.sample_stages:Echo'}\n")
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text('{"value": "fine"}\n{"value": "boom"}\n')
+    res = _run("run", str(cfg), "--input-file", str(inputs), "--requests", "4")
+    assert res.returncode == 1
+    assert "2/4 requests ok" in res.stderr
+    assert "cannot echo 'boom'" in res.stderr
+
+
+def test_validate_ok_and_errors_are_one_line(tmp_path: Path) -> None:
+    """validate exits 0 on a good file and 2 with one line naming file and line on a bad one."""
+    ok = _run("validate", "configs/demo.yaml")
+    assert ok.returncode == 0 and "ok" in ok.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  a: {impl: 'stages.text:Split', replicas: two}\n")
+    res = _run("validate", str(bad))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert f"{bad}:2:" in lines[0] and "replicas" in lines[0]
+    assert "Traceback" not in res.stderr
+
+
+def test_bad_input_json_is_exit_2() -> None:
+    """An input that does not match the source's payload type exits 2 naming the field."""
+    res = _run("run", "configs/demo.yaml", "--input", '{"value": 3}')
+    assert res.returncode == 2
+    assert "$.value" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    """--debug trades the one-line error for the full traceback."""
+    res = _run("--debug", "validate", str(tmp_path / "missing.yaml"))
+    assert res.returncode != 0
+    assert "Traceback" in res.stderr

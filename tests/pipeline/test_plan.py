@@ -1,0 +1,187 @@
+"""Build-time checks: stage classes and edge types are verified before any process starts."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+
+from pipeline import ConfigError, Context, Pipeline, Stage, Stream
+from stages.text import Text, Token
+from tests.pipeline.conftest import spec
+
+
+class Number(msgspec.Struct):
+    """A payload unrelated to Text."""
+
+    n: int
+
+
+class NoProcess(Stage):
+    """Forgets to define process."""
+
+
+class SyncProcess(Stage):
+    """Defines process without async."""
+
+    def process(self, text: Text, ctx: Context) -> Text:
+        return text
+
+
+class NoCtx(Stage):
+    """Leaves out ctx."""
+
+    async def process(self, text: Text) -> Text:
+        return text
+
+
+class Unannotated(Stage):
+    """Leaves the input unannotated."""
+
+    async def process(self, text, ctx: Context) -> Text:  # type: ignore[no-untyped-def]
+        return Text("")
+
+
+class NoReturn(Stage):
+    """Leaves the return unannotated."""
+
+    async def process(self, text: Text, ctx: Context):  # type: ignore[no-untyped-def]
+        return text
+
+
+class MakesNumber(Stage):
+    """Produces Number."""
+
+    async def process(self, text: Text, ctx: Context) -> Number:
+        return Number(len(text.value))
+
+
+class StreamsTokens(Stage):
+    """Streams tokens."""
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Token]:
+        yield Token(0, text.value)
+
+
+class TakesOneToken(Stage):
+    """Takes exactly one token."""
+
+    async def process(self, token: Token, ctx: Context) -> Text:
+        return Text(token.value)
+
+
+class TakesTokenStream(Stage):
+    """Takes a stream of tokens."""
+
+    async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
+        return Text(" ".join([t.value async for t in tokens]))
+
+
+class Misnamed(Stage):
+    """Has two inputs, not named after its upstream stages."""
+
+    async def process(self, x: Text, y: Text, ctx: Context) -> Text:
+        return x
+
+
+def _build(stages: dict[str, str], edges: list[tuple[str, str]], **kw: object) -> Pipeline:
+    full = {name: {"impl": impl, **kw} for name, impl in stages.items()}  # type: ignore[dict-item]
+    return Pipeline(spec(full, edges))
+
+
+@pytest.mark.parametrize(
+    ("impl", "match"),
+    [
+        ("tests.pipeline.test_plan:NoProcess", "has no process"),
+        ("tests.pipeline.test_plan:SyncProcess", "must be 'async def'"),
+        ("tests.pipeline.test_plan:NoCtx", "ctx: Context"),
+        ("tests.pipeline.test_plan:Unannotated", "'text' has no type annotation"),
+        ("tests.pipeline.test_plan:NoReturn", "no return annotation"),
+        ("no_such_module_xyz:Stage", "cannot import 'no_such_module_xyz'"),
+        ("stages.text:Nope", "has no attribute 'Nope'"),
+        ("stages.text:Text", "not a subclass of pipeline.Stage"),
+    ],
+)
+def test_bad_stage_classes_are_config_errors(impl: str, match: str) -> None:
+    """Each malformed stage class is a one-line ConfigError naming the stage."""
+    with pytest.raises(ConfigError, match=match) as info:
+        _build({"only": impl}, [])
+    assert "stages.only" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_edge_type_mismatch_names_the_edge() -> None:
+    """A producer type that does not match its consumer is a ConfigError naming the edge."""
+    with pytest.raises(ConfigError, match=r"edge a->b: 'a' produces Number but 'b' expects Text"):
+        _build(
+            {"a": "tests.pipeline.test_plan:MakesNumber", "b": "stages.text:Split"}, [("a", "b")]
+        )
+
+
+def test_streaming_producer_into_single_chunk_consumer_is_refused() -> None:
+    """A stream feeding a parameter that takes one chunk must be declared Stream[T]."""
+    with pytest.raises(ConfigError, match=r"a->b: 'a' streams .* Stream\[Token\]"):
+        _build(
+            {
+                "a": "tests.pipeline.test_plan:StreamsTokens",
+                "b": "tests.pipeline.test_plan:TakesOneToken",
+            },
+            [("a", "b")],
+        )
+    _build(
+        {
+            "a": "tests.pipeline.test_plan:StreamsTokens",
+            "b": "tests.pipeline.test_plan:TakesTokenStream",
+        },
+        [("a", "b")],
+    )
+
+
+def test_multi_input_parameters_must_name_upstream_stages() -> None:
+    """With two upstream stages, process() names a parameter after each of them."""
+    with pytest.raises(ConfigError, match=r"name one parameter after each"):
+        _build(
+            {
+                "a": "stages.text:Join",
+                "b": "stages.text:Join",
+                "c": "tests.pipeline.test_plan:Misnamed",
+            },
+            [("a", "c"), ("b", "c")],
+        )
+
+
+def test_params_are_validated_with_the_field_path() -> None:
+    """Params failing the stage's Params model name stages.<stage>.params.<field>."""
+    with pytest.raises(ConfigError, match=r"stages\.u\.params\.repeat"):
+        Pipeline(spec({"u": {"impl": "stages.text:Upper", "params": {"repeat": 99}}}, []))
+    with pytest.raises(ConfigError, match=r"declares no Params model"):
+        Pipeline(spec({"j": {"impl": "stages.text:Join", "params": {"x": 1}}}, []))
+
+
+def test_outputs_fields_must_match_downstream_stages() -> None:
+    """An Outputs return type whose fields do not name the downstream stages is refused."""
+    with pytest.raises(ConfigError, match=r"name one field per downstream stage"):
+        Pipeline(
+            spec(
+                {"pre": ":Pre", "encode": ":Encode", "other": ":Encode"},
+                [("pre", "encode"), ("pre", "other")],
+            )
+        )
+
+
+def test_yaml_errors_carry_file_and_line(tmp_path: object) -> None:
+    """A type error in a YAML pipeline names the file."""
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "bad.yaml"
+    path.write_text(
+        "stages:\n"
+        "  a: {impl: 'tests.pipeline.test_plan:MakesNumber'}\n"
+        "  b: {impl: 'stages.text:Split'}\n"
+        "edges:\n  - {from: a, to: b}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        Pipeline.from_yaml(path)
+    assert str(info.value).startswith(str(path))
+    assert "edge a->b" in str(info.value)
