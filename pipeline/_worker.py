@@ -173,7 +173,6 @@ class _Worker:
             message = f"{type(exc).__name__}: {exc}"
             log.error("stage_setup_failed", stage=self.stage, error=message)
             self.send_control(SetupFailed(self.stage, self.replica, message))
-            await asyncio.sleep(0.05)  # let the message leave before the socket closes
             return EXIT_SETUP_FAILED
         actor = StageActor(
             plan,
@@ -219,7 +218,9 @@ class _Worker:
         if self.data_reader is not None:
             self.data_reader.stop()
         self.outbox.close()
-        self.control.close(linger=0)
+        # A short linger lets the last control message (Goodbye, SetupFailed) leave; a dead
+        # master costs at most this long at exit.
+        self.control.close(linger=500)
         self.inbox.close(linger=0)
         self.zctx.term()
 
