@@ -9,11 +9,14 @@ over repeated trials, because absolute timings on a small, shared VM are noisy. 
 measures (DESIGN section 11):
 
 A. raw cross-process wake-up: an ``os.pipe`` ping-pong with a child process, 1 B and
-   1 KiB; one-way latency is RTT/2.
+   1 KiB; one-way latency is RTT/2. A2 is the same with both ends reading through an
+   asyncio loop (``loop.add_reader``): the floor for any asyncio actor.
 B. raw pyzmq over TCP loopback, blocking sockets: PUSH/PULL ping-pong (one-way = RTT/2)
    and streaming throughput of 1 KiB messages to one child. B2 is the same topology as
    the stagewire chain built from four bare Python relay processes: it shows what this
    machine can do with five processes sharing its cores, before any framework is added.
+   B3 is the ping-pong with both ends on asyncio, each socket's FD watched with
+   ``loop.add_reader`` and drained until EAGAIN: the mechanism of ``pipeline._sockets``.
 C. stagewire: source -> relay -> relay -> sink, every edge inline, 1 KiB payloads.
    a. hop latency: sequential requests (concurrency 1). A request crosses 5 hops:
       client->source, three stage->stage edges and sink->client, so the hop figure is the
@@ -41,6 +44,7 @@ import json
 import os
 import platform
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,9 +89,12 @@ class Config:
     chain_stream_n: int = 50_000
     sw_latency_iters: int = 300
     sw_stream_n: int = 20_000
+    sw_stream_min_n: int = 5_000
+    #: Aimed-for length of one streaming trial, in seconds (sizes N, within the bounds).
+    stream_trial_s: float = 2.5
     sw_stream_trials: int = 3
     sw_concurrency: int = 4
-    reorder_n: int = 100_000
+    reorder_n: int = 50_000
     startup_probes: int = 3
     #: Wall-clock cap of one trial's loop, in seconds (the counts above usually end it).
     trial_budget_s: float = 4.0
@@ -105,8 +112,9 @@ QUICK = Config(
     chain_stream_n=10_000,
     sw_latency_iters=150,
     sw_stream_n=5_000,
-    sw_stream_trials=2,
-    reorder_n=30_000,
+    sw_stream_min_n=2_000,
+    stream_trial_s=1.0,
+    reorder_n=20_000,
     startup_probes=1,
     trial_budget_s=2.0,
 )
@@ -116,8 +124,16 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+_T0 = time.perf_counter()
+#: When each phase started, in seconds since the run began (goes into --json).
+PHASES: dict[str, float] = {}
+
+
 def _log(msg: str) -> None:
-    print(f"[hops] {msg}", file=sys.stderr, flush=True)
+    """Note the start of a phase on stderr (stdout is kept for the report)."""
+    now = time.perf_counter() - _T0
+    PHASES[msg] = round(now, 2)
+    print(f"[hops +{now:5.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 # ---- child processes ------------------------------------------------------------------------
@@ -143,6 +159,11 @@ def _children() -> Iterator[list[subprocess.Popen[bytes]]]:
                 p.stdout.close()
 
 
+def _spawn(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """Start ``python -c CODE ARGS...``; a few ms, so fine to call from a coroutine too."""
+    return subprocess.Popen([sys.executable, "-c", *args], **kwargs)
+
+
 _PIPE_ECHO = """
 import os, sys
 r, w, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -158,18 +179,82 @@ while True:
     os.write(w, buf)
 """
 
+# An echo whose reads are driven by an asyncio loop (loop.add_reader), as stagewire's are:
+# "pipe R W N" echoes N-byte messages on a pipe; "zmq RX TX" drains a PULL socket until
+# EAGAIN on every wake-up, exactly like pipeline._sockets.SocketReader, and echoes on a PUSH.
+_AIO_ECHO = """
+import asyncio, os, sys
+async def main():
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    parent = os.getppid()
+    def finish():
+        if not done.done():
+            done.set_result(None)
+    def watch():
+        if os.getppid() != parent:
+            finish()
+        else:
+            loop.call_later(1.0, watch)
+    watch()
+    if sys.argv[1] == "pipe":
+        r, w, n = map(int, sys.argv[2:5])
+        buf = bytearray()
+        def on_read():
+            data = os.read(r, 65536)
+            if not data:
+                loop.remove_reader(r)
+                finish()
+                return
+            buf.extend(data)
+            while len(buf) >= n:
+                os.write(w, bytes(buf[:n]))
+                del buf[:n]
+        loop.add_reader(r, on_read)
+    else:
+        import zmq
+        ctx = zmq.Context()
+        rx = ctx.socket(zmq.PULL); rx.setsockopt(zmq.LINGER, 0); rx.connect(sys.argv[2])
+        tx = ctx.socket(zmq.PUSH); tx.setsockopt(zmq.LINGER, 0); tx.connect(sys.argv[3])
+        def on_read():
+            while not done.done():
+                try:
+                    m = rx.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                if m == b"Q":
+                    finish()
+                    return
+                tx.send(m, zmq.NOBLOCK)
+        loop.add_reader(rx.getsockopt(zmq.FD), on_read)
+        on_read()
+    await done
+asyncio.run(main())
+"""
+
+# Children exit on their own if this process dies: an idle recv times out every second and
+# checks whether the parent is still there (this costs nothing while messages flow).
 _ZMQ_ECHO = """
-import sys, zmq
+import os, sys, zmq
+parent = os.getppid()
 ctx = zmq.Context()
-rx = ctx.socket(zmq.PULL); rx.setsockopt(zmq.LINGER, 0); rx.connect(sys.argv[1])
+rx = ctx.socket(zmq.PULL); rx.setsockopt(zmq.LINGER, 0); rx.setsockopt(zmq.RCVTIMEO, 1000)
+rx.connect(sys.argv[1])
 tx = ctx.socket(zmq.PUSH); tx.setsockopt(zmq.LINGER, 0); tx.connect(sys.argv[2])
+def recv():
+    while True:
+        try:
+            return rx.recv()
+        except zmq.Again:
+            if os.getppid() != parent:
+                sys.exit(0)
 while True:
-    m = rx.recv()
+    m = recv()
     if m == b"Q":
         break
     if m == b"S":  # streaming: count messages until b"E", then report the count
         n = 0
-        while rx.recv() != b"E":
+        while recv() != b"E":
             n += 1
         tx.send(str(n).encode())
         continue
@@ -180,17 +265,23 @@ while True:
 # pushes to argv[2]. "first" turns b"S<n>" into n 1 KiB messages and b"E"; "last" counts
 # the b"D..." messages and answers b"E" with the count; ping messages pass straight through.
 _ZMQ_RELAY = """
-import sys, zmq
+import os, sys, zmq
 role, downstream = sys.argv[1], sys.argv[2]
+parent = os.getppid()
 ctx = zmq.Context()
-rx = ctx.socket(zmq.PULL); rx.setsockopt(zmq.LINGER, 0)
+rx = ctx.socket(zmq.PULL); rx.setsockopt(zmq.LINGER, 0); rx.setsockopt(zmq.RCVTIMEO, 1000)
 port = rx.bind_to_random_port("tcp://127.0.0.1")
 tx = ctx.socket(zmq.PUSH); tx.setsockopt(zmq.LINGER, 0); tx.connect(downstream)
 print(f"tcp://127.0.0.1:{port}", flush=True)
 blob = b"D" * 1024
 n = 0
 while True:
-    m = rx.recv()
+    try:
+        m = rx.recv()
+    except zmq.Again:
+        if os.getppid() != parent:
+            break
+        continue
     if m == b"Q":
         tx.send(m)
         break
@@ -260,6 +351,137 @@ def pipe_wakeup(cfg: Config, size: int) -> dict[str, Any]:
             os.close(p2c_w)  # EOF: the child leaves its loop
             os.close(c2p_r)
     return {"size": size, "rtt_p50_us": rtt, "one_way_p50_us": rtt / 2, "trial_rtt_p50_us": p50s}
+
+
+async def _atrials(
+    cfg: Config, iters: int, once: Callable[[], Any], warmup: int = 100
+) -> tuple[float, list[float]]:
+    """:func:`_trials` for a coroutine function ``once`` (returns ns)."""
+    for _ in range(warmup):
+        await once()
+    p50s = []
+    for _ in range(cfg.trials):
+        samples: list[float] = []
+        deadline = time.monotonic() + cfg.trial_budget_s
+        for _ in range(iters):
+            samples.append(await once() / 1000)
+            if time.monotonic() > deadline:
+                break
+        p50s.append(_median(samples))
+    return _median(p50s), p50s
+
+
+async def _aio_pipe(cfg: Config, size: int) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    p2c_r, p2c_w = os.pipe()
+    c2p_r, c2p_w = os.pipe()
+    with _children() as procs:
+        try:
+            procs.append(
+                _spawn(
+                    [_AIO_ECHO, "pipe", str(p2c_r), str(c2p_w), str(size)],
+                    pass_fds=(p2c_r, c2p_w),
+                )
+            )
+        finally:
+            os.close(p2c_r)
+            os.close(c2p_w)
+        msg = b"x" * size
+        state: dict[str, Any] = {"got": 0, "fut": None}
+
+        def on_read() -> None:
+            data = os.read(c2p_r, 65536)
+            state["got"] += len(data)
+            fut = state["fut"]
+            if (not data or state["got"] >= size) and fut is not None and not fut.done():
+                fut.set_result(None)
+
+        loop.add_reader(c2p_r, on_read)
+        try:
+
+            async def once() -> float:
+                state["got"] = 0
+                state["fut"] = fut = loop.create_future()
+                t0 = time.perf_counter_ns()
+                os.write(p2c_w, msg)
+                await asyncio.wait_for(fut, cfg.step_timeout_s)
+                return time.perf_counter_ns() - t0
+
+            rtt, p50s = await _atrials(cfg, cfg.pipe_iters, once)
+        finally:
+            loop.remove_reader(c2p_r)
+            os.close(p2c_w)
+            os.close(c2p_r)
+    return {"size": size, "rtt_p50_us": rtt, "one_way_p50_us": rtt / 2, "trial_rtt_p50_us": p50s}
+
+
+async def _aio_zmq(cfg: Config, size: int) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    ctx: zmq.Context[Any] = zmq.Context()
+    timeout_ms = int(cfg.step_timeout_s * 1000)
+    tx = _zmq_socket(ctx, zmq.PUSH, timeout_ms)
+    rx = _zmq_socket(ctx, zmq.PULL, timeout_ms)
+    fd = rx.getsockopt(zmq.FD)
+    state: dict[str, Any] = {"fut": None}
+
+    def drain() -> None:
+        while True:
+            try:
+                rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            fut = state["fut"]
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    try:
+        tx_port = tx.bind_to_random_port("tcp://127.0.0.1")
+        rx_port = rx.bind_to_random_port("tcp://127.0.0.1")
+        with _children() as procs:
+            procs.append(
+                _spawn(
+                    [
+                        _AIO_ECHO,
+                        "zmq",
+                        f"tcp://127.0.0.1:{tx_port}",
+                        f"tcp://127.0.0.1:{rx_port}",
+                    ]
+                )
+            )
+            loop.add_reader(fd, drain)
+            try:
+                msg = b"P" * size
+
+                async def once() -> float:
+                    state["fut"] = fut = loop.create_future()
+                    t0 = time.perf_counter_ns()
+                    tx.send(msg)  # blocks (to SNDTIMEO) only until the child connects
+                    await asyncio.wait_for(fut, cfg.step_timeout_s)
+                    return time.perf_counter_ns() - t0
+
+                rtt, p50s = await _atrials(cfg, cfg.zmq_iters, once, warmup=300)
+                tx.send(b"Q")
+            finally:
+                loop.remove_reader(fd)
+    finally:
+        tx.close(linger=0)
+        rx.close(linger=0)
+        ctx.term()
+    return {"size": size, "rtt_p50_us": rtt, "one_way_p50_us": rtt / 2, "trial_rtt_p50_us": p50s}
+
+
+def asyncio_wakeups(cfg: Config) -> dict[str, Any]:
+    """Baselines A2 and B3: the same ping-pongs with both ends driven by an asyncio loop.
+
+    A2 (a pipe read through ``loop.add_reader``) is the floor for any asyncio actor on this
+    machine; B3 (pyzmq through ``loop.add_reader``, drained until EAGAIN) is the mechanism
+    stagewire's sockets use, before any of stagewire's own code runs.
+    """
+
+    async def both() -> dict[str, Any]:
+        return {"pipe_1KiB": await _aio_pipe(cfg, KIB), "zmq_1KiB": await _aio_zmq(cfg, KIB)}
+
+    return asyncio.run(both())
 
 
 def _zmq_socket(ctx: zmq.Context[Any], kind: int, timeout_ms: int) -> zmq.Socket[Any]:
@@ -480,12 +702,14 @@ async def ordering_micro(cfg: Config) -> dict[str, Any]:
         "queue_handoff": _queue_handoff,
         "reorder_shuffled16": _reorder_shuffled,
     }
+    # A handoff costs a loop turn (~10x the ready path), so it runs a fifth of the chunks.
+    counts = {k: n // 5 if "handoff" in k else n for k in runs}
     per_chunk: dict[str, list[float]] = {k: [] for k in runs}
     for fn in runs.values():
         await fn(min(n, 5000), item)  # warm-up
     for _ in range(cfg.trials):
         for name, fn in runs.items():  # interleaved, so drift hits every variant alike
-            per_chunk[name].append(await fn(n, item) / n * 1e6)
+            per_chunk[name].append(await fn(counts[name], item) / counts[name] * 1e6)
     us = {k: _median(v) for k, v in per_chunk.items()}
     return {
         "per_chunk_us": us,
@@ -639,8 +863,11 @@ async def stagewire_stream(
     pipe, startup = await _started(chain_spec(name, STREAM_CHAIN, window))
     trials = trials or cfg.sw_stream_trials
     try:
-        n = cfg.sw_stream_n
-        await _stream_trial(pipe, min(n, 2000), 1, cfg.step_timeout_s)  # warm-up
+        # The warm-up also sizes the trials: about cfg.stream_trial_s each at the rate seen,
+        # between cfg.sw_stream_min_n and cfg.sw_stream_n chunks, so a slow runtime still
+        # finishes in time and a fast one streams long enough to reach a steady state.
+        warm, _ = await _stream_trial(pipe, 2000, 1, cfg.step_timeout_s)
+        n = int(min(cfg.sw_stream_n, max(cfg.sw_stream_min_n, warm * cfg.stream_trial_s)))
         result: dict[str, Any] = {"startup_s": startup, "n": n, "window": window}
         for label, conc in (("single", 1), ("concurrent", cfg.sw_concurrency)):
             rates, cpus = [], []
@@ -691,9 +918,12 @@ def build_rows(r: dict[str, Any]) -> list[list[str]]:
     o = r["ordering"]
     rows: list[list[str]] = []
 
-    def row(metric: str, sw: str, base: str, ratio: float, target: str, ok: bool | None) -> None:
+    def row(
+        metric: str, sw: str, base: str, ratio: float | None, target: str, ok: bool | None
+    ) -> None:
         status = "info" if ok is None else ("met" if ok else "**missed**")
-        rows.append([metric, sw, base, f"{ratio:.2f}x", target, status])
+        shown = "-" if ratio is None else f"{ratio:.2f}x"
+        rows.append([metric, sw, base, shown, target, status])
 
     ratio = lat["hop_p50_us"] / pipe1k
     row(
@@ -713,7 +943,24 @@ def build_rows(r: dict[str, Any]) -> list[list[str]]:
         f"≤ {TARGET_HOP_RATIO}x",
         ratio <= TARGET_HOP_RATIO,
     )
+    aio = r["asyncio"]
     z1k = zr["pingpong_1024B"]["one_way_p50_us"]
+    for sw_label, sw_value in (
+        ("1 KiB hop p50, e2e/5", lat["hop_p50_us"]),
+        ("1 KiB envelope hop p50", lat["envelope_hop_p50_us"]),
+    ):
+        for base_label, base in (
+            ("asyncio pipe wake-up", aio["pipe_1KiB"]["one_way_p50_us"]),
+            ("asyncio pyzmq (add_reader)", aio["zmq_1KiB"]["one_way_p50_us"]),
+        ):
+            row(
+                sw_label,
+                _fmt(sw_value, "us"),
+                f"{base_label} {_fmt(base, 'us')}",
+                sw_value / base,
+                "-",
+                None,
+            )
     row(
         "1 KiB hop p50, e2e/5",
         _fmt(lat["hop_p50_us"], "us"),
@@ -782,10 +1029,12 @@ def build_rows(r: dict[str, Any]) -> list[list[str]]:
     )
     oc = r["ordering_cost"]
     row(
-        "ordering cost / per-chunk pipeline cost",
+        "ordering cost / per-chunk pipeline cost (worse of 2 views)",
         _fmt(oc["fraction"], "%"),
-        f"{oc['extra_us']:.2f} µs of {oc['pipeline_us_per_chunk']:.1f} µs",
-        oc["fraction"],
+        f"+{oc['extra_us']:.1f} µs/chunk/edge vs a FIFO; per edge "
+        f"{_fmt(oc['fraction_per_edge'], '%')} of {oc['pipeline_us_per_chunk']:.0f} µs, per CPU "
+        f"{_fmt(oc['fraction_per_cpu'], '%')} of {oc['cpu_us_per_chunk']:.0f} µs",
+        None,
         f"≤ {TARGET_ORDERING_FRACTION:.0%}",
         oc["fraction"] <= TARGET_ORDERING_FRACTION,
     )
@@ -832,6 +1081,7 @@ def ordering_cost(o: dict[str, Any], stream: dict[str, Any]) -> dict[str, Any]:
     return {
         "extra_us": extra,
         "pipeline_us_per_chunk": 1e6 / rate,
+        "cpu_us_per_chunk": cpu_total,
         "fraction_per_edge": per_edge,
         "fraction_per_cpu": per_cpu,
         "fraction": max(per_edge, per_cpu),
@@ -853,6 +1103,9 @@ def render(r: dict[str, Any]) -> str:
         "",
         f"- machine: {r['machine']['cpus']} CPUs, Python {r['machine']['python']}, "
         f"pyzmq {r['machine']['pyzmq']}; medians of {r['config']['trials']} trials",
+        f"- asyncio wake-ups, one-way p50: pipe 1 KiB "
+        f"{r['asyncio']['pipe_1KiB']['one_way_p50_us']:.1f} µs, pyzmq tcp 1 KiB "
+        f"{r['asyncio']['zmq_1KiB']['one_way_p50_us']:.1f} µs",
         f"- raw wake-ups, one-way p50: pipe 1 B {r['pipe']['1B']['one_way_p50_us']:.1f} µs, "
         f"pipe 1 KiB {r['pipe']['1KiB']['one_way_p50_us']:.1f} µs, pyzmq tcp 1 B "
         f"{r['zmq']['pingpong_1B']['one_way_p50_us']:.1f} µs, pyzmq tcp 1 KiB "
@@ -905,9 +1158,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         metavar="W",
-        help="also stream with this credit window, to see if the window limits throughput",
+        help="also stream with credit window W, to see how much the window limits "
+        "throughput (default: 256 in full mode, off with --quick; 0 turns it off)",
     )
     args = p.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so every finally block stops what this run started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = QUICK if args.quick else FULL
     json_out = os.path.abspath(args.json) if args.json else None
     os.chdir(ROOT)  # workers resolve "benchmarks.bench_stages" from the working directory
@@ -923,14 +1179,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     _log("baseline A: pipe wake-up")
     results["pipe"] = {"1B": pipe_wakeup(cfg, 1), "1KiB": pipe_wakeup(cfg, KIB)}
+    _log("baseline A2/B3: asyncio-driven pipe and pyzmq wake-ups")
+    results["asyncio"] = asyncio_wakeups(cfg)
     _log("baseline B: raw pyzmq")
     results["zmq"] = zmq_raw(cfg)
     _log("baseline B2: raw pyzmq 4-relay chain")
     results["zmq_chain"] = zmq_chain(cfg)
     results["startup"] = import_startup(cfg)
-    results.update(asyncio.run(run_async(cfg, args.wide_window)))
+    wide = args.wide_window if args.wide_window is not None else (None if args.quick else 256)
+    results.update(asyncio.run(run_async(cfg, wide or None)))
     results["ordering_cost"] = ordering_cost(results["ordering"], results["stagewire"]["stream"])
     results["elapsed_s"] = time.perf_counter() - t_start
+    results["phase_start_s"] = PHASES
     print(render(results))
     print(f"\n(total {results['elapsed_s']:.0f} s)")
     if json_out:

@@ -22,7 +22,7 @@ import structlog
 from pipeline._batching import Batcher
 from pipeline._channel import InputChannel, Item, OutputChannel, SendTarget
 from pipeline._codec import codec_for
-from pipeline._encoded import Encoded
+from pipeline._encoded import DECODE_ERRORS, Encoded
 from pipeline._errors import (
     EndOfChannel,
     FailureInfo,
@@ -183,7 +183,7 @@ class StageActor:
             return
         try:
             msg = _decode_data(frames[0])
-        except msgspec.DecodeError:
+        except DECODE_ERRORS:
             self.counts["garbage"] += 1
             if self.counts["garbage"] in (1, 10, 100, 1000):
                 log.warning("garbage_dropped", stage=self.stage, count=self.counts["garbage"])

@@ -28,7 +28,7 @@ from pipeline._latency import LatencyRecorder
 from pipeline._messages import NO_DESCRIPTOR, Chunk, Credit
 from pipeline._signature import EdgePlan
 from transports._protocol import Descriptor, EdgeContext, TransportReceiver, TransportSender
-from transports._registry import AUTO, create_transport
+from transports._registry import AUTO, create_transport, resolve_transport
 from transports.auto import AutoPolicy
 
 __all__ = ("InputChannel", "Item", "OutputChannel", "SendTarget")
@@ -90,6 +90,9 @@ class OutputChannel:
             for name in names
         }
         self._fixed = None if self._auto else self._senders[kind]
+        # Statistics name what carried each chunk by the transport's own name, so a plug-in
+        # given by import path shows up as, say, "rdma".
+        self._names = {n: str(getattr(resolve_transport(n), "name", n)) for n in names}
         self.chunks = 0
         self.bytes = 0
         self.fallbacks = 0
@@ -129,7 +132,8 @@ class OutputChannel:
             descriptor = await sender.put(key, encoded, timeout=self.plan.chunk_timeout)
             raw = msgspec.Raw(_encode_raw(descriptor))
             self.bytes += encoded.nbytes
-            self.used[name] = self.used.get(name, 0) + 1
+            shown = self._names[name]
+            self.used[shown] = self.used.get(shown, 0) + 1
         self.chunks += 1
         msg = Chunk(key, final, name, raw, self._endpoint, self._host, time.monotonic_ns())
         self._send(target.endpoint, [_encode_msg(msg)])

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
 
-from ._encoded import Buffer, Encoded
+from ._encoded import DECODE_ERRORS, Buffer, Encoded
 from ._errors import PayloadError
 
 __all__ = ("PayloadCodec", "codec_for")
@@ -189,7 +189,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     """Turn an extension record from the header back into a tensor or array."""
     try:
         ref = _REF_DECODER.decode(data)
-    except msgspec.DecodeError as e:
+    except DECODE_ERRORS as e:
         raise PayloadError(f"malformed buffer reference in header: {e}") from e
     if code not in (_EXT_TENSOR, _EXT_NDARRAY):
         raise PayloadError(f"unknown extension type {code} in header")
@@ -311,7 +311,7 @@ class PayloadCodec(Generic[T]):
             _, sep, rest = message.rpartition(" - at `")
             field = rest[:-1] if sep else None
             raise PayloadError(f"invalid {self._name()} payload: {message}", field=field) from e
-        except msgspec.DecodeError as e:
+        except DECODE_ERRORS as e:
             raise PayloadError(f"malformed {self._name()} payload header: {e}") from e
         finally:
             if buffers:

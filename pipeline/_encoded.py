@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ("Buffer", "Encoded")
+import msgspec
+
+__all__ = ("DECODE_ERRORS", "Buffer", "Encoded")
+
+#: What msgspec raises for undecodable bytes. Invalid UTF-8 in a string surfaces as
+#: UnicodeDecodeError rather than DecodeError, so every wire boundary catches both.
+DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, UnicodeDecodeError)
 
 #: A contiguous run of bytes: ``bytes``, ``bytearray`` or a ``memoryview`` of format ``B``.
 Buffer = bytes | bytearray | memoryview

@@ -18,6 +18,7 @@ import msgspec
 import structlog
 import zmq
 
+from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import PipelineError, StageUnavailable, failure_to_error
 from pipeline._host import host_identity
 from pipeline._messages import (
@@ -163,7 +164,7 @@ class Master:
         identity, body = frames
         try:
             msg = _decode(body)
-        except msgspec.DecodeError:
+        except DECODE_ERRORS:
             self.garbage += 1
             if self.garbage in (1, 10, 100, 1000):
                 log.warning("garbage_dropped", count=self.garbage)

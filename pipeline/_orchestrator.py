@@ -19,6 +19,7 @@ import msgspec
 
 from pipeline._channel import InputChannel, Item, OutputChannel, SendTarget
 from pipeline._codec import codec_for
+from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import (
     EndOfChannel,
     PayloadError,
@@ -292,7 +293,7 @@ class Orchestrator:
         """Handle one message on the client's data socket; garbage is counted and dropped."""
         try:
             msg = _decode_data(frames[0]) if len(frames) == 1 else None
-        except msgspec.DecodeError:
+        except DECODE_ERRORS:
             msg = None
         if isinstance(msg, Credit):
             out = self._src_by_edge.get(msg.edge)

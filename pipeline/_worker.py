@@ -27,6 +27,7 @@ import zmq
 
 from pipeline._actor import StageActor
 from pipeline._config import PipelineSpec
+from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import FailureInfo, PipelineError
 from pipeline._host import host_identity
 from pipeline._logging import configure_logging
@@ -112,7 +113,7 @@ class _Worker:
     def _on_control(self, frames: list[bytes]) -> None:
         try:
             msg = _decode_control(frames[-1])
-        except msgspec.DecodeError:
+        except DECODE_ERRORS:
             self.garbage += 1
             return
         self.last_seen = time.monotonic()

@@ -125,7 +125,7 @@ class _ForeignArray(Descriptor, frozen=True, tag="stagewire-conformance-array", 
     """An array-like descriptor of no transport under test, shaped like an inline one."""
 
     header: bytes = b""
-    buffers: list[bytes] = []
+    buffers: tuple[bytes, ...] = ()
 
 
 _envelope_encoder = msgspec.msgpack.Encoder()
@@ -192,7 +192,7 @@ def _tensor_cases(dtype: torch.dtype, gen: torch.Generator) -> dict[str, torch.T
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     """The bytes of ``t``'s elements in order, for a bitwise comparison."""
     flat = (torch.view_as_real(t) if t.is_complex() else t).contiguous().reshape(-1)
-    return bytes(flat.view(torch.uint8).numpy().tobytes())
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def _assert_same_tensor(got: object, want: torch.Tensor, what: str) -> None:
@@ -253,6 +253,21 @@ async def _release_all(receiver: TransportReceiver, descs: list[Descriptor]) -> 
     """Release every descriptor in ``descs``."""
     for desc in descs:
         await _within(receiver.release(desc), "release")
+
+
+def _invalid_utf8_tag(desc: Descriptor) -> bytes:
+    """``desc`` on the wire with its tag's characters replaced by bytes that are not UTF-8.
+
+    msgspec raises ``UnicodeDecodeError``, not ``DecodeError``, for such strings (msgspec
+    issue #714), so a transport must catch both.
+    """
+    tag = type(desc).__struct_config__.tag
+    valid = msgspec.msgpack.encode(desc)
+    if not isinstance(tag, str) or not tag:
+        return b"\xa2\xd0\xfe"  # A bare two-byte string that is not UTF-8.
+    encoded_tag = msgspec.msgpack.encode(tag)
+    prefix = encoded_tag[: len(encoded_tag) - len(tag.encode())]
+    return valid.replace(encoded_tag, prefix + b"\xff" * len(tag.encode()), 1)
 
 
 def _retagged(desc: Descriptor) -> bytes:
@@ -337,7 +352,8 @@ class TransportConformance:
     ) -> None:
         """The transport and both of its ends satisfy the runtime-checkable Protocols."""
         assert isinstance(transport, Transport)
-        assert isinstance(transport.name, str) and transport.name
+        assert isinstance(transport.name, str)
+        assert transport.name
         assert isinstance(transport.capabilities, TransportCapabilities)
         assert isinstance(sender, TransportSender)
         assert isinstance(receiver, TransportReceiver)
@@ -480,8 +496,8 @@ class TransportConformance:
         held, waited = await self._fill(sender)
         start = time.monotonic()
         limit = self.exhaust_timeout + self.max_overrun
+        put = sender.put(_key(), _blob(0, self.fill_chunk_bytes), timeout=self.exhaust_timeout)
         with pytest.raises(TransportError):
-            put = sender.put(_key(), _blob(0, self.fill_chunk_bytes), timeout=self.exhaust_timeout)
             await _within(put, "a put into a full transport", limit)
         for elapsed in (waited, time.monotonic() - start):
             assert elapsed >= 0.9 * self.exhaust_timeout, f"gave up after {elapsed:.3f}s, early"
@@ -518,7 +534,9 @@ class TransportConformance:
         if not transport.capabilities.bounded:
             pytest.skip("an unbounded transport never blocks a put")
         held, _ = await self._fill(sender)
-        blocked = asyncio.ensure_future(sender.put(_key(), _blob(0, 16), timeout=30.0))
+        # The size that was just refused: a smaller payload might fit what is left.
+        payload = _blob(0, self.fill_chunk_bytes)
+        blocked = asyncio.ensure_future(sender.put(_key(), payload, timeout=30.0))
         await _let_run()
         assert not blocked.done(), "a put with a 30s deadline into a full transport must wait"
         start = time.monotonic()
@@ -557,8 +575,10 @@ class TransportConformance:
             b"\xc1",
             valid + b"\x00",
             _retagged(desc),
+            _invalid_utf8_tag(desc),
+            b"\xa2\xd0\xfe",
             msgspec.msgpack.encode(_Foreign()),
-            msgspec.msgpack.encode(_ForeignArray(b"h", [b"x"])),
+            msgspec.msgpack.encode(_ForeignArray(b"h", (b"x",))),
             msgspec.msgpack.encode({"t": _WRONG_TAG}),
             msgspec.msgpack.encode([_WRONG_TAG]),
             msgspec.msgpack.encode(5),
@@ -577,7 +597,7 @@ class TransportConformance:
                         f"decode_descriptor({raw[:40]!r}) raised {exc!r}, not TransportError"
                     )
                 pytest.fail(f"decode_descriptor({raw[:40]!r}) accepted garbage")
-        for foreign in (_Foreign(), _ForeignArray(b"h", [b"x"])):
+        for foreign in (_Foreign(), _ForeignArray(b"h", (b"x",))):
             with pytest.raises(TransportError):
                 await _within(receiver.get(foreign), "get of a foreign descriptor")
         await _within(receiver.release(desc), "release")
@@ -611,7 +631,8 @@ class TransportConformance:
         frozen = [(s.chunks, s.bytes, dict(s.by_transport)) for s in before]
         for stats in before:
             assert isinstance(stats, TransportStatistics)
-            assert isinstance(stats.transport, str) and stats.transport
+            assert isinstance(stats.transport, str)
+            assert stats.transport
         n = 5
         for i in range(n):
             desc, _ = await _carry(sender, receiver, _key(), _blob(i, 4096))

@@ -7,6 +7,7 @@ Each transport is one module of the same shape. Third-party transports implement
 # The pipeline package must finish importing first: its runtime imports this package's
 # submodules, and this package's modules import pipeline's errors and keys.
 import pipeline as _pipeline  # noqa: F401
+from pipeline._encoded import Encoded as Encoded
 
 from ._protocol import Descriptor as Descriptor
 from ._protocol import EdgeContext as EdgeContext
@@ -21,6 +22,7 @@ from ._registry import resolve_transport as resolve_transport
 __all__ = (
     "Descriptor",
     "EdgeContext",
+    "Encoded",
     "Transport",
     "TransportCapabilities",
     "TransportReceiver",

@@ -6,11 +6,11 @@ descriptor can be read any number of times. ``auto`` picks it for small payloads
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Self
 
 import msgspec
 
-from pipeline._encoded import Encoded
+from pipeline._encoded import DECODE_ERRORS, Encoded
 from pipeline._errors import TransportError
 from pipeline._keys import ChunkKey
 from transports._protocol import (
@@ -68,6 +68,12 @@ class InlineSender:
         """Mark the sender closed; idempotent."""
         self._closed = True
 
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
 
 class InlineReceiver:
     """Consumer end: the descriptor already holds the payload."""
@@ -88,7 +94,7 @@ class InlineReceiver:
         """
         try:
             return _decoder.decode(raw)
-        except msgspec.DecodeError as exc:
+        except DECODE_ERRORS as exc:
             raise TransportError(f"edge {self._edge.edge!r}: bad inline descriptor: {exc}") from exc
 
     async def get(self, descriptor: Descriptor) -> Encoded:
@@ -120,6 +126,12 @@ class InlineReceiver:
     async def aclose(self) -> None:
         """Mark the receiver closed; idempotent."""
         self._closed = True
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class InlineTransport:
