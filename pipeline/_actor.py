@@ -20,7 +20,7 @@ import msgspec
 import structlog
 
 from pipeline._batching import Batcher
-from pipeline._channel import InputChannel, Item, OutputChannel, SendTarget
+from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget
 from pipeline._codec import codec_for
 from pipeline._encoded import DECODE_ERRORS, Encoded
 from pipeline._errors import (
@@ -33,7 +33,6 @@ from pipeline._errors import (
 from pipeline._keys import CLIENT
 from pipeline._latency import LatencyRecorder
 from pipeline._messages import Chunk, Credit, DataMessage, Peer, PeerTable
-from pipeline._reorder import ReorderBuffer
 from pipeline._signature import EdgePlan, StagePlan
 from pipeline._stage import Context, Outputs, Stage, Stream
 
@@ -47,28 +46,16 @@ FINISHED_MEMORY = 65536
 
 
 class _Request:
-    __slots__ = (
-        "buffers",
-        "created",
-        "ctx",
-        "granted",
-        "request_id",
-        "route",
-        "started",
-        "taken",
-        "task",
-    )
+    __slots__ = ("created", "ctx", "inflows", "request_id", "route", "started", "task")
 
-    def __init__(self, request_id: str, buffers: dict[str, ReorderBuffer[Item]]) -> None:
+    def __init__(self, request_id: str, inflows: dict[str, Inflow]) -> None:
         self.request_id = request_id
         self.route: dict[str, int] | None = None
-        self.buffers = buffers
+        self.inflows = inflows
         self.task: asyncio.Task[None] | None = None
         self.ctx: Context | None = None
         self.started = False
         self.created = time.monotonic()
-        self.taken: dict[str, int] = {}
-        self.granted: dict[str, int] = {}
 
 
 class StageActor:
@@ -161,11 +148,11 @@ class StageActor:
             req.ctx.cancel()
         if req.task is not None and not req.task.done():
             req.task.cancel()
-        for buf in req.buffers.values():
+        for inflow in req.inflows.values():
             if exc is not None:
-                buf.abort(exc)
+                inflow.buffer.abort(exc)
             else:
-                buf.close()
+                inflow.buffer.close()
         for out in self._outputs.values():
             out.forget(request_id, str(exc) if exc else None)
 
@@ -212,7 +199,7 @@ class StageActor:
             channel.discard(item)
             return
         req = self._request(rid)
-        buf = req.buffers[chunk.key.edge]
+        buf = req.inflows[chunk.key.edge].buffer
         if not buf.offer(chunk.key.seq, item, chunk.final):
             self.counts["duplicates"] += 1
         elif buf.buffered > self.peak_buffered:
@@ -222,19 +209,14 @@ class StageActor:
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)
         if req is None:
-            buffers: dict[str, ReorderBuffer[Item]] = {
-                edge: ReorderBuffer(
-                    request_id, edge, chunk_timeout=ch.plan.chunk_timeout, on_discard=ch.discard
-                )
-                for edge, (_, ch) in self._inputs_by_edge.items()
-            }
-            req = self._requests[request_id] = _Request(request_id, buffers)
+            inflows = {edge: ch.open(request_id) for edge, (_, ch) in self._inputs_by_edge.items()}
+            req = self._requests[request_id] = _Request(request_id, inflows)
         return req
 
     def _maybe_start(self, req: _Request) -> None:
         if req.started or req.route is None:
             return
-        if not any(buf.buffered or buf.delivered for buf in req.buffers.values()):
+        if not any(f.buffer.buffered or f.buffer.delivered for f in req.inflows.values()):
             return
         req.started = True
         req.ctx = Context(req.request_id, self.stage, self.replica)
@@ -243,19 +225,7 @@ class StageActor:
     # ---- the handler ---------------------------------------------------------------------
 
     async def _next(self, req: _Request, edge: str) -> Any:
-        _, channel = self._inputs_by_edge[edge]
-        item, final = await req.buffers[edge].get()
-        if item.descriptor is None:
-            if final:
-                raise EndOfChannel
-            raise PayloadError(f"chunk without payload on edge {edge!r} before its end")
-        value = await channel.fetch(item)
-        taken = req.taken[edge] = req.taken.get(edge, 0) + 1
-        if not final:
-            req.granted[edge] = channel.grant(
-                req.request_id, taken, item.sender, req.granted.get(edge, 0)
-            )
-        return value
+        return await self._inputs_by_edge[edge][1].next(req.inflows[edge])
 
     async def _single(self, req: _Request, edge: EdgePlan) -> Any:
         try:

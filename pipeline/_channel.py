@@ -22,16 +22,17 @@ import msgspec
 
 from pipeline._codec import codec_for
 from pipeline._encoded import Encoded
-from pipeline._errors import RequestAborted, TransportError
+from pipeline._errors import EndOfChannel, PayloadError, RequestAborted, TransportError
 from pipeline._keys import ChunkKey
 from pipeline._latency import LatencyRecorder
 from pipeline._messages import NO_DESCRIPTOR, Chunk, Credit
+from pipeline._reorder import ReorderBuffer
 from pipeline._signature import EdgePlan
 from transports._protocol import Descriptor, EdgeContext, TransportReceiver, TransportSender
 from transports._registry import AUTO, create_transport, resolve_transport
 from transports.auto import AutoPolicy
 
-__all__ = ("InputChannel", "Item", "OutputChannel", "SendTarget")
+__all__ = ("Inflow", "InputChannel", "Item", "OutputChannel", "SendTarget")
 
 _encode_raw = msgspec.msgpack.Encoder().encode
 _encode_msg = msgspec.msgpack.Encoder().encode
@@ -52,6 +53,17 @@ class Item:
     transport: str
     descriptor: Descriptor | None
     sender: str
+
+
+class Inflow:
+    """One request's position on one input edge: its reorder buffer and credit marks."""
+
+    __slots__ = ("buffer", "granted", "taken")
+
+    def __init__(self, buffer: ReorderBuffer[Item]) -> None:
+        self.buffer = buffer
+        self.taken = 0
+        self.granted = 0
 
 
 class _Window:
@@ -244,6 +256,38 @@ class InputChannel:
         desc = self.receiver(chunk.transport).decode_descriptor(chunk.descriptor)
         return Item(chunk.transport, desc, chunk.sender)
 
+    def open(self, request_id: str, *, chunk_timeout: float | None = None) -> Inflow:
+        """Start receiving ``request_id`` on this edge."""
+        timeout = self.plan.chunk_timeout if chunk_timeout is None else chunk_timeout
+        return Inflow(
+            ReorderBuffer(
+                request_id, self.plan.name, chunk_timeout=timeout, on_discard=self.discard
+            )
+        )
+
+    async def next(self, inflow: Inflow) -> Any:
+        """The next payload of a request on this edge, in order, returning credit as it goes.
+
+        Raises:
+            EndOfChannel: the stream has ended.
+            ChunkGap: the next chunk did not arrive within the chunk timeout.
+            PayloadError: a chunk without payload came before the end, or did not decode.
+            TransportError: the payload could not be fetched.
+            RequestAborted: the request was aborted.
+        """
+        item, final = await inflow.buffer.get()
+        if item.descriptor is None:
+            if final:
+                raise EndOfChannel
+            raise PayloadError(f"chunk without payload on edge {self.plan.name!r} before its end")
+        value = await self.fetch(item)
+        inflow.taken += 1
+        if not final and inflow.taken - inflow.granted >= self._credit_step:
+            credit = Credit(inflow.buffer.request_id, self.plan.name, inflow.taken)
+            self._send(item.sender, [_encode_msg(credit)])
+            inflow.granted = inflow.taken
+        return value
+
     async def fetch(self, item: Item) -> Any:
         """Materialise and decode an item's payload, then release the transport's hold.
 
@@ -268,13 +312,6 @@ class InputChannel:
             task = asyncio.get_running_loop().create_task(recv.release(item.descriptor))
             _background.add(task)
             task.add_done_callback(_background.discard)
-
-    def grant(self, request_id: str, taken: int, sender: str, granted: int) -> int:
-        """Return credit to ``sender`` once enough chunks were taken; the new granted mark."""
-        if taken - granted >= self._credit_step:
-            self._send(sender, [_encode_msg(Credit(request_id, self.plan.name, taken))])
-            return taken
-        return granted
 
     def statistics(self) -> dict[str, Any]:
         """Counters for this edge's consumer side."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline._channel import InputChannel, Item, OutputChannel, SendTarget
+from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget
 from pipeline._codec import codec_for
 from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import (
@@ -30,7 +30,6 @@ from pipeline._errors import (
 )
 from pipeline._keys import CLIENT
 from pipeline._messages import Abort, Admit, Chunk, Credit, DataMessage, Drop
-from pipeline._reorder import ReorderBuffer
 from pipeline._signature import PipelinePlan
 
 __all__ = ("ClientRequest", "Orchestrator", "ReplicaView")
@@ -38,7 +37,7 @@ __all__ = ("ClientRequest", "Orchestrator", "ReplicaView")
 _decode_data = msgspec.msgpack.Decoder(DataMessage).decode
 
 
-def _consume_outcome(task: asyncio.Task[tuple[Item, bool]]) -> None:
+def _consume_outcome(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
 
@@ -60,15 +59,13 @@ class ReplicaView:
 class ClientRequest:
     """One request as the client side sees it."""
 
-    __slots__ = ("buffers", "error", "granted", "pending", "request_id", "route", "taken", "timer")
+    __slots__ = ("error", "inflows", "pending", "request_id", "route", "timer")
 
     def __init__(self, request_id: str, route: dict[str, int]) -> None:
         self.request_id = request_id
         self.route = route
-        self.buffers: dict[str, ReorderBuffer[Item]] = {}
-        self.pending: dict[str, asyncio.Task[tuple[Item, bool]]] = {}
-        self.taken: dict[str, int] = {}
-        self.granted: dict[str, int] = {}
+        self.inflows: dict[str, Inflow] = {}
+        self.pending: dict[str, asyncio.Task[Any]] = {}
         self.error: BaseException | None = None
         self.timer: asyncio.TimerHandle | None = None
 
@@ -155,9 +152,7 @@ class Orchestrator:
             # The client waits on sinks without a chunk timeout: a sink's first chunk may
             # follow the whole pipeline's work. Gaps are detected by the stages themselves,
             # dead replicas by the master, and a stuck request by its request_timeout.
-            req.buffers[sink] = ReorderBuffer(
-                rid, ch.plan.name, chunk_timeout=math.inf, on_discard=ch.discard
-            )
+            req.inflows[sink] = ch.open(rid, chunk_timeout=math.inf)
         self.requests[rid] = req
         self.counts["submitted"] += 1
         admit = Admit(rid, route)
@@ -175,9 +170,6 @@ class Orchestrator:
 
     # ---- outputs -------------------------------------------------------------------------
 
-    async def _next_from(self, req: ClientRequest, sink: str) -> tuple[Item, bool]:
-        return await req.buffers[sink].get()
-
     async def next_output(self, req: ClientRequest) -> tuple[str, Any]:
         """The next sink output of ``req`` as ``(sink, payload)``, in order per sink.
 
@@ -186,13 +178,24 @@ class Orchestrator:
             PipelineError: the request failed, timed out or was aborted.
         """
         while True:
-            open_sinks = [s for s, b in req.buffers.items() if not b.finished]
+            open_sinks = [s for s, f in req.inflows.items() if not f.buffer.finished]
             if not open_sinks:
                 self.complete(req.request_id)
                 raise EndOfChannel
+            if len(open_sinks) == 1 and not req.pending:
+                # One sink: read it directly, with no task per chunk.
+                (sink,) = open_sinks
+                try:
+                    return sink, await self._from_sinks[sink].next(req.inflows[sink])
+                except EndOfChannel:
+                    continue
+                except PipelineError as exc:
+                    raise (req.error or exc) from None
             for sink in open_sinks:
                 if sink not in req.pending:
-                    req.pending[sink] = asyncio.ensure_future(self._next_from(req, sink))
+                    req.pending[sink] = asyncio.ensure_future(
+                        self._from_sinks[sink].next(req.inflows[sink])
+                    )
             done, _ = await asyncio.wait(
                 [req.pending[s] for s in open_sinks], return_when=asyncio.FIRST_COMPLETED
             )
@@ -204,21 +207,11 @@ class Orchestrator:
                 if task.cancelled():
                     raise req.error or RequestAborted(req.request_id, "cancelled")
                 try:
-                    item, final = task.result()
+                    return sink, task.result()
                 except EndOfChannel:
                     continue
                 except PipelineError as exc:
                     raise (req.error or exc) from None
-                if item.descriptor is None:
-                    continue  # the end of a streaming sink
-                ch = self._from_sinks[sink]
-                value = await ch.fetch(item)
-                taken = req.taken[sink] = req.taken.get(sink, 0) + 1
-                if not final:
-                    req.granted[sink] = ch.grant(
-                        req.request_id, taken, item.sender, req.granted.get(sink, 0)
-                    )
-                return sink, value
 
     # ---- endings -------------------------------------------------------------------------
 
@@ -233,11 +226,11 @@ class Orchestrator:
             # Aborting the buffers below wakes these with the request's error; nobody may
             # await them any more, so retrieve the outcome to keep asyncio quiet.
             task.add_done_callback(_consume_outcome)
-        for buf in req.buffers.values():
+        for inflow in req.inflows.values():
             if exc is not None:
-                buf.abort(exc)
+                inflow.buffer.abort(exc)
             else:
-                buf.close()
+                inflow.buffer.close()
         for ch in self._to_sources.values():
             ch.forget(rid)
         for stage, k in req.route.items():
@@ -313,7 +306,7 @@ class Orchestrator:
         if req is None:
             ch.discard(item)
             return
-        req.buffers[ch.plan.src].offer(msg.key.seq, item, msg.final)
+        req.inflows[ch.plan.src].buffer.offer(msg.key.seq, item, msg.final)
 
     def statistics(self) -> dict[str, Any]:
         """The client side's counters and edges."""

@@ -33,10 +33,11 @@ class InlineDescriptor(Descriptor, frozen=True, tag="inline", array_like=True):
 _decoder = msgspec.msgpack.Decoder(InlineDescriptor)
 
 
-class InlineSender:
-    """Producer end: copies the payload into a descriptor."""
+class _InlineEnd:
+    """What both inline ends share: counters, closing, and the context-manager protocol."""
 
     __slots__ = ("_closed", "_edge", "bytes", "chunks")
+    _role = "end"
 
     def __init__(self, edge: EdgeContext) -> None:
         self._edge = edge
@@ -44,28 +45,20 @@ class InlineSender:
         self.chunks = 0
         self.bytes = 0
 
-    async def put(
-        self, key: ChunkKey, encoded: Encoded, *, timeout: float | None = None
-    ) -> InlineDescriptor:
-        """Wrap ``encoded`` in a descriptor; never waits.
-
-        Raises:
-            TransportError: the sender is closed.
-        """
+    def _count(self, encoded: Encoded) -> None:
         if self._closed:
-            raise TransportError(f"inline sender for edge {self._edge.edge!r} is closed")
+            raise TransportError(f"inline {self._role} for edge {self._edge.edge!r} is closed")
         self.chunks += 1
         self.bytes += encoded.nbytes
-        return InlineDescriptor(encoded.header, [bytes(b) for b in encoded.buffers])
 
     def statistics(self) -> TransportStatistics:
-        """Chunks and bytes put so far."""
+        """Chunks and bytes moved so far."""
         return TransportStatistics(
             "inline", self.chunks, self.bytes, by_transport={"inline": self.chunks}
         )
 
     async def aclose(self) -> None:
-        """Mark the sender closed; idempotent."""
+        """Mark this end closed; idempotent."""
         self._closed = True
 
     async def __aenter__(self) -> Self:
@@ -75,16 +68,29 @@ class InlineSender:
         await self.aclose()
 
 
-class InlineReceiver:
+class InlineSender(_InlineEnd):
+    """Producer end: copies the payload into a descriptor."""
+
+    __slots__ = ()
+    _role = "sender"
+
+    async def put(
+        self, key: ChunkKey, encoded: Encoded, *, timeout: float | None = None
+    ) -> InlineDescriptor:
+        """Wrap ``encoded`` in a descriptor; never waits.
+
+        Raises:
+            TransportError: the sender is closed.
+        """
+        self._count(encoded)
+        return InlineDescriptor(encoded.header, [bytes(b) for b in encoded.buffers])
+
+
+class InlineReceiver(_InlineEnd):
     """Consumer end: the descriptor already holds the payload."""
 
-    __slots__ = ("_closed", "_edge", "bytes", "chunks")
-
-    def __init__(self, edge: EdgeContext) -> None:
-        self._edge = edge
-        self._closed = False
-        self.chunks = 0
-        self.bytes = 0
+    __slots__ = ()
+    _role = "receiver"
 
     def decode_descriptor(self, raw: bytes | memoryview) -> InlineDescriptor:
         """Parse an inline descriptor.
@@ -103,35 +109,16 @@ class InlineReceiver:
         Raises:
             TransportError: the descriptor is not an inline one, or the receiver is closed.
         """
-        if self._closed:
-            raise TransportError(f"inline receiver for edge {self._edge.edge!r} is closed")
         if not isinstance(descriptor, InlineDescriptor):
             raise TransportError(
                 f"edge {self._edge.edge!r}: inline receiver got a {type(descriptor).__name__}"
             )
         encoded = Encoded(descriptor.header, tuple(descriptor.buffers))
-        self.chunks += 1
-        self.bytes += encoded.nbytes
+        self._count(encoded)
         return encoded
 
     async def release(self, descriptor: Descriptor) -> None:
         """Nothing to free: the payload lived in the envelope."""
-
-    def statistics(self) -> TransportStatistics:
-        """Chunks and bytes received so far."""
-        return TransportStatistics(
-            "inline", self.chunks, self.bytes, by_transport={"inline": self.chunks}
-        )
-
-    async def aclose(self) -> None:
-        """Mark the receiver closed; idempotent."""
-        self._closed = True
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 class InlineTransport:
