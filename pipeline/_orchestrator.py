@@ -178,7 +178,11 @@ class Orchestrator:
             PipelineError: the request failed, timed out or was aborted.
         """
         while True:
-            open_sinks = [s for s, f in req.inflows.items() if not f.buffer.finished]
+            # A sink whose task already took its final chunk is still open until the value
+            # in that task has been handed to the client.
+            open_sinks = [
+                s for s, f in req.inflows.items() if not f.buffer.finished or s in req.pending
+            ]
             if not open_sinks:
                 self.complete(req.request_id)
                 raise EndOfChannel
