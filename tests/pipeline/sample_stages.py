@@ -157,7 +157,8 @@ class Gauge(Stage):
         Gauge.running += 1
         Gauge.peak = max(Gauge.peak, Gauge.running)
         try:
-            await asyncio.sleep(0.02)
+            # Long enough that concurrent arrivals overlap even on a loaded machine.
+            await asyncio.sleep(0.25)
             return Text(f"{self.replica}:{Gauge.peak}")
         finally:
             Gauge.running -= 1

@@ -100,7 +100,7 @@ async def test_max_concurrency_bounds_handlers_per_replica() -> None:
     """No more than max_concurrency handlers of one replica run at once."""
     s = spec({"gauge": {"impl": ":Gauge", "max_concurrency": 3}}, [])
     async with Pipeline(s) as pipe:
-        outs = await asyncio.gather(*(pipe.submit(Text("x")) for _ in range(30)))
+        outs = await asyncio.gather(*(pipe.submit(Text("x")) for _ in range(12)))
         peaks = [int(o.value.split(":")[1]) for o in outs]
         assert max(peaks) == 3
 
