@@ -2,7 +2,10 @@
 
 Run from the repository root (worker processes import ``benchmarks.bench_stages``)::
 
-    .venv/bin/python benchmarks/hops.py [--quick] [--json OUT]
+    .venv/bin/python benchmarks/hops.py [--quick] [--json OUT] [--wide-window W]
+
+The markdown report goes to stdout, progress (and the workers' logs) to stderr. A full run
+takes about a minute, ``--quick`` about 25 s.
 
 Everything is reported as a ratio against baselines measured in the same run, as medians
 over repeated trials, because absolute timings on a small, shared VM are noisy. What it
@@ -32,6 +35,8 @@ C. stagewire: source -> relay -> relay -> sink, every edge inline, 1 KiB payload
       need), per chunk, and set against the per-chunk pipeline cost of (b).
 D. worker start-up: the time ``async with Pipeline(...)`` takes to be ready, against one
    bare interpreter importing the worker's entry point.
+E. diagnostic: streaming again with a credit window of W chunks (256 by default in a full
+   run) instead of the default 16, to show how much the window alone limits throughput.
 """
 
 from __future__ import annotations
@@ -422,6 +427,7 @@ async def _aio_zmq(cfg: Config, size: int) -> dict[str, Any]:
     tx = _zmq_socket(ctx, zmq.PUSH, timeout_ms)
     rx = _zmq_socket(ctx, zmq.PULL, timeout_ms)
     fd = rx.getsockopt(zmq.FD)
+    assert isinstance(fd, int)
     state: dict[str, Any] = {"fut": None}
 
     def drain() -> None:
@@ -485,7 +491,7 @@ def asyncio_wakeups(cfg: Config) -> dict[str, Any]:
 
 
 def _zmq_socket(ctx: zmq.Context[Any], kind: int, timeout_ms: int) -> zmq.Socket[Any]:
-    sock = ctx.socket(kind)
+    sock: zmq.Socket[Any] = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
     sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
@@ -664,7 +670,11 @@ async def _handoff(n: int, put: Callable[[int], None], get: Callable[[], Any]) -
 
 async def _reorder_handoff(n: int, item: bytes) -> float:
     buf: ReorderBuffer[bytes] = ReorderBuffer("r", "e", chunk_timeout=30.0)
-    return await _handoff(n, lambda i: buf.offer(i, item, False) and None, buf.get)
+
+    def put(seq: int) -> None:
+        buf.offer(seq, item, False)
+
+    return await _handoff(n, put, buf.get)
 
 
 async def _queue_handoff(n: int, item: bytes) -> float:
@@ -726,7 +736,9 @@ async def ordering_micro(cfg: Config) -> dict[str, Any]:
 # ---- stagewire ------------------------------------------------------------------------------
 
 
-def chain_spec(name: str, impls: tuple[str, str, str, str], window: int | None = None) -> dict:
+def chain_spec(
+    name: str, impls: tuple[str, str, str, str], window: int | None = None
+) -> dict[str, Any]:
     """A 4-stage chain, every edge inline."""
     names = ("source", "relay1", "relay2", "sink")
     defaults: dict[str, Any] = {"transport": "inline", "chunk_timeout": "30s"}
@@ -856,12 +868,13 @@ async def _stream_trial(
 
 
 async def stagewire_stream(
-    cfg: Config, window: int | None = None, trials: int | None = None
+    cfg: Config, window: int | None = None, *, concurrent: bool = True
 ) -> dict[str, Any]:
     """C.b: N 1 KiB chunks streamed through the chain, one request and several at once."""
     name = "hops-stream" if window is None else f"hops-stream-w{window}"
     pipe, startup = await _started(chain_spec(name, STREAM_CHAIN, window))
-    trials = trials or cfg.sw_stream_trials
+    trials = cfg.sw_stream_trials
+    labels = [("single", 1)] + ([("concurrent", cfg.sw_concurrency)] if concurrent else [])
     try:
         # The warm-up also sizes the trials: about cfg.stream_trial_s each at the rate seen,
         # between cfg.sw_stream_min_n and cfg.sw_stream_n chunks, so a slow runtime still
@@ -869,7 +882,7 @@ async def stagewire_stream(
         warm, _ = await _stream_trial(pipe, 2000, 1, cfg.step_timeout_s)
         n = int(min(cfg.sw_stream_n, max(cfg.sw_stream_min_n, warm * cfg.stream_trial_s)))
         result: dict[str, Any] = {"startup_s": startup, "n": n, "window": window}
-        for label, conc in (("single", 1), ("concurrent", cfg.sw_concurrency)):
+        for label, conc in labels:
             rates, cpus = [], []
             for _ in range(trials):
                 rate, cpu = await _stream_trial(pipe, n, conc, cfg.step_timeout_s)
@@ -1090,6 +1103,11 @@ def ordering_cost(o: dict[str, Any], stream: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _spread(res: dict[str, Any]) -> str:
+    trials = [t / 2 for t in res["trial_rtt_p50_us"]]
+    return f"{res['one_way_p50_us']:.1f} µs [{min(trials):.1f}-{max(trials):.1f}]"
+
+
 def render(r: dict[str, Any]) -> str:
     """The markdown report: the table, then the detail a reader needs to judge it."""
     lines = [
@@ -1103,13 +1121,20 @@ def render(r: dict[str, Any]) -> str:
         "",
         f"- machine: {r['machine']['cpus']} CPUs, Python {r['machine']['python']}, "
         f"pyzmq {r['machine']['pyzmq']}; medians of {r['config']['trials']} trials",
-        f"- asyncio wake-ups, one-way p50: pipe 1 KiB "
-        f"{r['asyncio']['pipe_1KiB']['one_way_p50_us']:.1f} µs, pyzmq tcp 1 KiB "
-        f"{r['asyncio']['zmq_1KiB']['one_way_p50_us']:.1f} µs",
-        f"- raw wake-ups, one-way p50: pipe 1 B {r['pipe']['1B']['one_way_p50_us']:.1f} µs, "
-        f"pipe 1 KiB {r['pipe']['1KiB']['one_way_p50_us']:.1f} µs, pyzmq tcp 1 B "
-        f"{r['zmq']['pingpong_1B']['one_way_p50_us']:.1f} µs, pyzmq tcp 1 KiB "
-        f"{r['zmq']['pingpong_1024B']['one_way_p50_us']:.1f} µs",
+        "- one-way p50 = RTT/2, median of trials [slowest and fastest trial]; a 2-vCPU VM "
+        "flips between a fast regime (the peer vCPU still awake) and a slow one (woken from "
+        "halt), so trials can differ several-fold: "
+        + "; ".join(
+            f"{label} {_spread(res)}"
+            for label, res in (
+                ("pipe 1 B", r["pipe"]["1B"]),
+                ("pipe 1 KiB", r["pipe"]["1KiB"]),
+                ("asyncio pipe 1 KiB", r["asyncio"]["pipe_1KiB"]),
+                ("pyzmq tcp 1 B", r["zmq"]["pingpong_1B"]),
+                ("pyzmq tcp 1 KiB", r["zmq"]["pingpong_1024B"]),
+                ("asyncio pyzmq 1 KiB", r["asyncio"]["zmq_1KiB"]),
+            )
+        ),
         f"- stagewire e2e p50 {lat['e2e_p50_us']:.0f} µs over {CHAIN_HOPS} hops "
         "(client->source, source->relay1, relay1->relay2, relay2->sink, sink->client)",
         "- envelope hop p50 by edge (conc 1): "
@@ -1144,7 +1169,7 @@ async def run_async(cfg: Config, wide_window: int | None) -> dict[str, Any]:
     out["stagewire"] = {"latency": latency, "stream": stream}
     if wide_window is not None:
         _log(f"stagewire streaming chain, window {wide_window}")
-        out["stagewire"]["stream_wide"] = await stagewire_stream(cfg, wide_window, trials=1)
+        out["stagewire"]["stream_wide"] = await stagewire_stream(cfg, wide_window, concurrent=False)
     return out
 
 
