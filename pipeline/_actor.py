@@ -34,6 +34,7 @@ from pipeline._keys import CLIENT
 from pipeline._latency import LatencyRecorder
 from pipeline._messages import Chunk, Credit, DataMessage, Peer, PeerTable
 from pipeline._signature import EdgePlan, StagePlan
+from pipeline._sockets import MAX_FRAMES
 from pipeline._stage import Context, Outputs, Stage, Stream
 
 __all__ = ("StageActor",)
@@ -69,7 +70,7 @@ class StageActor:
         replica: int,
         host: str,
         endpoint: str,
-        send: Callable[[str, list[bytes]], None],
+        send: Callable[[str, bytes], None],
         report_failure: Callable[[FailureInfo], None],
     ) -> None:
         self.plan = plan
@@ -164,34 +165,39 @@ class StageActor:
     # ---- data ----------------------------------------------------------------------------
 
     def on_data(self, frames: list[bytes]) -> None:
-        """Handle one message from the data socket; garbage is counted and dropped."""
-        if len(frames) != 1:
-            self.counts["garbage"] += 1
+        """Handle one message (a batch of envelopes); garbage is counted and dropped."""
+        if len(frames) > MAX_FRAMES:
+            self._garbage(len(frames))
             return
-        try:
-            msg = _decode_data(frames[0])
-        except DECODE_ERRORS:
-            self.counts["garbage"] += 1
-            if self.counts["garbage"] in (1, 10, 100, 1000):
-                log.warning("garbage_dropped", stage=self.stage, count=self.counts["garbage"])
-            return
-        if isinstance(msg, Credit):
-            out = self._outputs_by_edge.get(msg.edge)
-            if out is not None:
-                out.on_credit(msg)
-            return
-        self._on_chunk(msg)
+        for frame in frames:
+            try:
+                msg = _decode_data(frame)
+            except DECODE_ERRORS:
+                self._garbage(1)
+                continue
+            if isinstance(msg, Credit):
+                out = self._outputs_by_edge.get(msg.edge)
+                if out is not None:
+                    out.on_credit(msg)
+            else:
+                self._on_chunk(msg)
+
+    def _garbage(self, n: int) -> None:
+        before = self.counts["garbage"]
+        self.counts["garbage"] += n
+        if before < 1000 and any(before < m <= before + n for m in (1, 10, 100, 1000)):
+            log.warning("garbage_dropped", stage=self.stage, count=self.counts["garbage"])
 
     def _on_chunk(self, chunk: Chunk) -> None:
         entry = self._inputs_by_edge.get(chunk.key.edge)
         if entry is None:
-            self.counts["garbage"] += 1
+            self._garbage(1)
             return
         _, channel = entry
         try:
             item = channel.admit(chunk)
         except Exception:
-            self.counts["garbage"] += 1
+            self._garbage(1)
             return
         rid = chunk.key.request_id
         if rid in self._finished:

@@ -84,7 +84,7 @@ class OutputChannel:
         *,
         host: str,
         endpoint: str,
-        send: Callable[[str, list[bytes]], None],
+        send: Callable[[str, bytes], None],
     ) -> None:
         self.plan = plan
         self._host = host
@@ -148,7 +148,7 @@ class OutputChannel:
             self.used[shown] = self.used.get(shown, 0) + 1
         self.chunks += 1
         msg = Chunk(key, final, name, raw, self._endpoint, self._host, time.monotonic_ns())
-        self._send(target.endpoint, [_encode_msg(msg)])
+        self._send(target.endpoint, _encode_msg(msg))
 
     def _choose(self, encoded: Encoded, target: SendTarget) -> tuple[str, TransportSender]:
         if self._fixed is not None:
@@ -208,7 +208,7 @@ class InputChannel:
         plan: EdgePlan,
         *,
         host: str,
-        send: Callable[[str, list[bytes]], None],
+        send: Callable[[str, bytes], None],
     ) -> None:
         self.plan = plan
         self._host = host
@@ -284,7 +284,7 @@ class InputChannel:
         inflow.taken += 1
         if not final and inflow.taken - inflow.granted >= self._credit_step:
             credit = Credit(inflow.buffer.request_id, self.plan.name, inflow.taken)
-            self._send(item.sender, [_encode_msg(credit)])
+            self._send(item.sender, _encode_msg(credit))
             inflow.granted = inflow.taken
         return value
 

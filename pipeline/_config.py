@@ -101,7 +101,7 @@ class DefaultsSpec(_Spec):
     """How long a consumer waits for the next chunk before failing with ChunkGap."""
     request_timeout: Timeout | None = None
     """The deadline of a whole request; ``None`` means no deadline."""
-    window: Count = 16
+    window: Count = 64
     """Chunks in flight per request per edge before the producer waits."""
     max_inflight: Count = 1024
     """Requests the orchestrator admits at once."""

@@ -31,6 +31,7 @@ from pipeline._errors import (
 from pipeline._keys import CLIENT
 from pipeline._messages import Abort, Admit, Chunk, Credit, DataMessage, Drop
 from pipeline._signature import PipelinePlan
+from pipeline._sockets import MAX_FRAMES
 
 __all__ = ("ClientRequest", "Orchestrator", "ReplicaView")
 
@@ -79,7 +80,7 @@ class Orchestrator:
         *,
         host: str,
         endpoint: str,
-        send_data: Callable[[str, list[bytes]], None],
+        send_data: Callable[[str, bytes], None],
         send_control: Callable[[str, int, Any], None],
     ) -> None:
         self.plan = plan
@@ -287,11 +288,19 @@ class Orchestrator:
     # ---- data ----------------------------------------------------------------------------
 
     def on_data(self, frames: list[bytes]) -> None:
-        """Handle one message on the client's data socket; garbage is counted and dropped."""
-        try:
-            msg = _decode_data(frames[0]) if len(frames) == 1 else None
-        except DECODE_ERRORS:
-            msg = None
+        """Handle one message (a batch of envelopes); garbage is counted and dropped."""
+        if len(frames) > MAX_FRAMES:
+            self.counts["garbage"] += len(frames)
+            return
+        for frame in frames:
+            try:
+                msg = _decode_data(frame)
+            except DECODE_ERRORS:
+                self.counts["garbage"] += 1
+                continue
+            self._on_message(msg)
+
+    def _on_message(self, msg: Chunk | Credit) -> None:
         if isinstance(msg, Credit):
             out = self._src_by_edge.get(msg.edge)
             if out is not None:

@@ -45,6 +45,7 @@ class ReorderBuffer(Generic[T]):
         "_edge",
         "_exc",
         "_expected",
+        "_expired",
         "_final_seq",
         "_finished",
         "_invalid",
@@ -72,6 +73,7 @@ class ReorderBuffer(Generic[T]):
         self._on_discard = on_discard
         self._chunks: dict[int, tuple[T, bool]] = {}
         self._waiter: asyncio.Future[None] | None = None
+        self._expired = False
         self._exc: BaseException | None = None
         self._closed = False
         self._finished = False
@@ -191,24 +193,31 @@ class ReorderBuffer(Generic[T]):
         if self._waiter is not None:
             raise RuntimeError(f"another task is already waiting on {self._edge!r}")
         loop = asyncio.get_running_loop()
+        # A plain timer handle rather than asyncio.timeout(): this wait happens once per
+        # chunk on a streaming edge, and the context manager cost several times as much.
+        self._expired = False
+        timer = None if math.isinf(self._timeout) else loop.call_later(self._timeout, self._expire)
         try:
-            async with asyncio.timeout(None if math.isinf(self._timeout) else self._timeout):
-                while not (self._closed or self._finished):
-                    self._waiter = loop.create_future()
-                    await self._waiter
-                    entry = self._take()
-                    if entry is not None:
-                        return entry
-        except TimeoutError:
-            # The chunk may have landed in the same loop iteration as the deadline fired.
-            entry = self._take()
-            if entry is not None:
-                return entry
-            self._raise_if_ended()
-            raise ChunkGap(self._request_id, self._edge, self._expected, self._timeout) from None
+            while not (self._closed or self._finished):
+                self._waiter = loop.create_future()
+                await self._waiter
+                # The chunk may have landed in the same loop iteration as the deadline fired.
+                entry = self._take()
+                if entry is not None:
+                    return entry
+                if self._expired and not (self._closed or self._finished):
+                    raise ChunkGap(self._request_id, self._edge, self._expected, self._timeout)
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
         raise self._ended_error()
+
+    def _expire(self) -> None:
+        self._expired = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def abort(self, exc: BaseException | None = None) -> int:
         """Drop every buffered chunk and fail the consumer with ``exc``.

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 __all__ = ("Outbox", "SocketReader", "bind_ephemeral", "new_context")
 
-#: Frames per message the readers accept before treating a message as garbage.
-MAX_FRAMES = 64
+#: Envelopes per message: the batch size of senders, and the most a reader accepts.
+MAX_FRAMES = 256
 
 
 def new_context() -> zmq.Context[Any]:
@@ -109,14 +109,23 @@ class SocketReader:
 
 
 class Outbox:
-    """One PUSH socket per peer endpoint, connected lazily and reused."""
+    """One PUSH socket per peer endpoint, connected lazily, with envelopes batched.
 
-    __slots__ = ("_ctx", "_sockopts", "_socks")
+    ``send`` only queues; once per event-loop turn every peer's queued envelopes leave as
+    one multi-frame ZMQ message. A stream of small chunks then pays the socket's wake-up
+    and system-call costs once per batch instead of once per chunk, and a single chunk
+    waits at most one loop turn.
+    """
+
+    __slots__ = ("_ctx", "_loop", "_pending", "_scheduled", "_sockopts", "_socks")
 
     def __init__(self, ctx: zmq.Context[Any], sockopts: dict[int, int] | None = None) -> None:
         self._ctx = ctx
         self._socks: dict[str, zmq.Socket[Any]] = {}
         self._sockopts = sockopts or {}
+        self._pending: dict[str, list[bytes]] = {}
+        self._scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _socket(self, endpoint: str) -> zmq.Socket[Any]:
         sock = self._socks.get(endpoint)
@@ -130,18 +139,38 @@ class Outbox:
             self._socks[endpoint] = sock
         return sock
 
-    def send(self, endpoint: str, frames: Sequence[bytes | memoryview]) -> None:
-        """Queue ``frames`` as one message to ``endpoint``; never blocks (HWM 0)."""
-        self._socket(endpoint).send_multipart(frames, zmq.NOBLOCK, copy=True)
+    def send(self, endpoint: str, frame: bytes) -> None:
+        """Queue one envelope for ``endpoint``; it leaves within this loop turn."""
+        queued = self._pending.get(endpoint)
+        if queued is None:
+            self._pending[endpoint] = [frame]
+        else:
+            queued.append(frame)
+        if not self._scheduled:
+            self._scheduled = True
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send everything queued, one multi-frame message per peer (HWM 0: never blocks)."""
+        self._scheduled = False
+        pending, self._pending = self._pending, {}
+        for endpoint, frames in pending.items():
+            sock = self._socket(endpoint)
+            for i in range(0, len(frames), MAX_FRAMES):
+                sock.send_multipart(frames[i : i + MAX_FRAMES], zmq.NOBLOCK)
 
     def forget(self, endpoint: str) -> None:
-        """Close the socket to an endpoint that went away."""
+        """Close the socket to an endpoint that went away, dropping what was queued for it."""
+        self._pending.pop(endpoint, None)
         sock = self._socks.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
 
     def close(self) -> None:
         """Close every socket; idempotent."""
+        self._pending.clear()
         for sock in self._socks.values():
             sock.close(linger=0)
         self._socks.clear()

@@ -78,16 +78,25 @@ class Context:
         log: a structlog logger bound to request_id, stage and replica.
     """
 
-    __slots__ = ("_cancelled", "log", "replica", "request_id", "stage")
+    __slots__ = ("_cancelled", "_log", "replica", "request_id", "stage")
 
     def __init__(self, request_id: str, stage: str, replica: int) -> None:
         self.request_id = request_id
         self.stage = stage
         self.replica = replica
         self._cancelled = False
-        self.log: Any = structlog.get_logger("stagewire.stage").bind(
-            request_id=request_id, stage=stage, replica=replica
-        )
+        self._log: Any = None
+
+    @property
+    def log(self) -> Any:
+        """A structlog logger bound to request_id, stage and replica (made on first use)."""
+        # Binding costs more than the rest of a request's bookkeeping, and most handlers
+        # never log, so it happens only when asked for.
+        if self._log is None:
+            self._log = structlog.get_logger("stagewire.stage").bind(
+                request_id=self.request_id, stage=self.stage, replica=self.replica
+            )
+        return self._log
 
     @property
     def cancelled(self) -> bool:
