@@ -101,7 +101,11 @@ class ResponseStream:
         return value
 
     async def aclose(self) -> None:
-        """Abort the request if it has not finished; idempotent."""
+        """Abort the request if it has not finished; idempotent.
+
+        Raises:
+            Nothing: aborting a finished request does nothing.
+        """
         self._done = True
         if self._req is not None and self._pipe._master is not None:
             self._pipe._master.orch.abort(self._req.request_id, "cancelled by client")
@@ -235,11 +239,21 @@ class Pipeline:
         return last
 
     async def abort(self, request_id: str, reason: str = "aborted by client") -> bool:
-        """Cancel a request in every stage; False if it had already ended."""
+        """Cancel a request in every stage; False if it had already ended.
+
+        Raises:
+            RuntimeError: the pipeline is not running.
+        """
         return self._master_or_fail().orch.abort(request_id, reason)
 
     async def statistics(self) -> dict[str, Any]:
-        """Counters of the client side and of every replica (asks each worker)."""
+        """Counters of the client side and of every replica (asks each worker).
+
+        Replicas that do not answer within a few seconds are left out.
+
+        Raises:
+            RuntimeError: the pipeline is not running.
+        """
         master = self._master_or_fail()
         return {
             "client": master.orch.statistics(),
@@ -248,7 +262,13 @@ class Pipeline:
         }
 
     async def aclose(self) -> None:
-        """Shut every worker down and stop the master; idempotent."""
+        """Shut every worker down and stop the master; idempotent.
+
+        Workers get a grace period, then SIGTERM, then SIGKILL.
+
+        Raises:
+            Nothing: errors while stopping are logged, not raised.
+        """
         master, self._master = self._master, None
         if master is not None:
             await master.aclose()

@@ -50,13 +50,21 @@ class LocalLauncher:
         return env
 
     async def start_all(self) -> None:
-        """Start every replica of every stage."""
+        """Start every replica of every stage.
+
+        Raises:
+            OSError: a process could not be started.
+        """
         for stage, sspec in self._spec.stages.items():
             for k in range(sspec.replicas):
                 await self.start(stage, k)
 
     async def start(self, stage: str, replica: int) -> int:
-        """Start one replica's process; returns its pid."""
+        """Start one replica's process; returns its pid.
+
+        Raises:
+            OSError: the process could not be started.
+        """
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -91,7 +99,11 @@ class LocalLauncher:
         return {key: p.pid for key, p in self.procs.items() if p.returncode is None}
 
     async def aclose(self, grace: float = 5.0) -> None:
-        """Wait ``grace`` seconds for workers to exit, then terminate, then kill."""
+        """Wait ``grace`` seconds for workers to exit, then terminate, then kill.
+
+        Raises:
+            Nothing: only pids this launcher started are signalled.
+        """
         self._closing = True
         running = [p for p in self.procs.values() if p.returncode is None]
         for sig, wait in ((None, grace), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):

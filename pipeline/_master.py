@@ -108,7 +108,11 @@ class Master:
         return self.orchestrator
 
     async def start(self) -> None:
-        """Bind the control and client data sockets and start heartbeating."""
+        """Bind the control and client data sockets and start heartbeating.
+
+        Raises:
+            zmq.ZMQError: the bind address is unusable (in use, not local).
+        """
         self.endpoint = bind_ephemeral(self.router, self._bind)
         data_bind = self.endpoint.rsplit(":", 1)[0] + ":0"
         self.data_endpoint = bind_ephemeral(self.inbox, data_bind)
@@ -294,7 +298,11 @@ class Master:
         )
 
     async def collect_statistics(self, timeout: float = 5.0) -> list[dict[str, Any]]:
-        """Ask every live replica for its statistics; those answering within ``timeout``."""
+        """Ask every live replica for its statistics; those answering within ``timeout``.
+
+        Raises:
+            Nothing: silent replicas are left out.
+        """
         live = [r for r in self.replicas.values() if r.alive and r.ready]
         token = next(self._tokens)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -313,7 +321,11 @@ class Master:
         return sorted(replies, key=lambda s: (s["stage"], s["replica"]))
 
     async def aclose(self) -> None:
-        """Tell every worker to shut down and close the sockets; idempotent."""
+        """Tell every worker to shut down and close the sockets; idempotent.
+
+        Raises:
+            Nothing.
+        """
         if self._closed:
             return
         self._closed = True

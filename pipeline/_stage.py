@@ -139,7 +139,15 @@ class Stage:
         self.log: Any = structlog.get_logger("stagewire.stage").bind(stage=name, replica=replica)
 
     async def setup(self) -> None:
-        """Run once per process before any request, e.g. to load a model."""
+        """Run once per process before any request, e.g. to load a model.
+
+        Raises:
+            Exception: anything raised here fails the pipeline's start with its message.
+        """
 
     async def teardown(self) -> None:
-        """Run once per process at shutdown."""
+        """Run once per process at shutdown.
+
+        Raises:
+            Exception: anything raised here is logged; shutdown goes on.
+        """

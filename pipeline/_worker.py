@@ -234,7 +234,11 @@ async def run_worker(
     bind_host: str = "127.0.0.1",
     connect_timeout: float = 300.0,
 ) -> int:
-    """Serve one replica of ``stage`` for the master at ``master``; returns an exit code."""
+    """Serve one replica of ``stage`` for the master at ``master``; returns an exit code.
+
+    Raises:
+        Nothing: failures end in an exit code (3 setup failed, 4 master lost).
+    """
     worker = _Worker(master, stage, replica, bind_host)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, worker.stop.set)

@@ -34,6 +34,11 @@ class Split(Stage):
     """Streams the words of a text as tokens."""
 
     async def process(self, text: Text, ctx: Context) -> AsyncIterator[Token]:
+        """Yield one token per whitespace-separated word.
+
+        Raises:
+            Nothing.
+        """
         for i, word in enumerate(text.value.split()):
             yield Token(i, word)
 
@@ -45,6 +50,11 @@ class Upper(Stage):
         repeat: int = Field(1, ge=1, le=16)
 
     async def process(self, tokens: Stream[Token], ctx: Context) -> AsyncIterator[Token]:
+        """Yield each token upper-cased (repeated ``repeat`` times), as it arrives.
+
+        Raises:
+            ChunkGap: the next token did not arrive within the edge's chunk timeout.
+        """
         assert isinstance(self.params, Upper.Params)
         async for token in tokens:
             yield Token(token.index, "-".join([token.value.upper()] * self.params.repeat))
@@ -54,6 +64,11 @@ class Join(Stage):
     """Joins streamed tokens back into one text, checking they came in order."""
 
     async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
+        """Join the tokens' words with spaces.
+
+        Raises:
+            ValueError: a token arrived out of order (the runtime guarantees it does not).
+        """
         words: list[str] = []
         async for token in tokens:
             if token.index != len(words):

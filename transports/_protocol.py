@@ -105,7 +105,11 @@ class TransportSender(Protocol):
         ...
 
     async def aclose(self) -> None:
-        """Release every resource; idempotent."""
+        """Release every resource; idempotent.
+
+        Raises:
+            Nothing: closing twice, or while others wait, is safe.
+        """
         ...
 
 
@@ -131,7 +135,11 @@ class TransportReceiver(Protocol):
         ...
 
     async def release(self, descriptor: Descriptor) -> None:
-        """Free what ``get`` pinned; idempotent per descriptor."""
+        """Free what ``get`` pinned; idempotent per descriptor.
+
+        Raises:
+            Nothing: releasing an unknown or released descriptor does nothing.
+        """
         ...
 
     def statistics(self) -> TransportStatistics:
@@ -139,7 +147,11 @@ class TransportReceiver(Protocol):
         ...
 
     async def aclose(self) -> None:
-        """Release every resource; idempotent."""
+        """Release every resource; idempotent.
+
+        Raises:
+            Nothing: closing twice, or while others wait, is safe.
+        """
         ...
 
 

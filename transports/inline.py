@@ -58,7 +58,11 @@ class _InlineEnd:
         )
 
     async def aclose(self) -> None:
-        """Mark this end closed; idempotent."""
+        """Mark this end closed; idempotent.
+
+        Raises:
+            Nothing.
+        """
         self._closed = True
 
     async def __aenter__(self) -> Self:
@@ -118,7 +122,11 @@ class InlineReceiver(_InlineEnd):
         return encoded
 
     async def release(self, descriptor: Descriptor) -> None:
-        """Nothing to free: the payload lived in the envelope."""
+        """Nothing to free: the payload lived in the envelope.
+
+        Raises:
+            Nothing.
+        """
 
 
 class InlineTransport:
