@@ -185,6 +185,8 @@ class Pipeline:
             if self._launcher is not None:
                 await self._launcher.start_all()
             await self._master.wait_ready(self.spec.defaults.startup_timeout)
+            if self._launcher is not None:
+                self._launcher.supervise = True
         except BaseException:
             await self.aclose()
             raise

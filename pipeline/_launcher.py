@@ -18,6 +18,7 @@ from collections.abc import Callable
 import structlog
 
 from pipeline._config import PipelineSpec
+from pipeline._worker import EXIT_SETUP_FAILED
 
 __all__ = ("LocalLauncher",)
 
@@ -32,6 +33,8 @@ class LocalLauncher:
         spec: PipelineSpec,
         master: str,
         on_exit: Callable[[str, int, int], None],
+        *,
+        max_restarts: int = 3,
     ) -> None:
         self._spec = spec
         self._master = master
@@ -39,6 +42,11 @@ class LocalLauncher:
         self.procs: dict[tuple[str, int], asyncio.subprocess.Process] = {}
         self._watchers: list[asyncio.Task[None]] = []
         self._closing = False
+        self._max_restarts = max_restarts
+        self.restarts: dict[tuple[str, int], int] = {}
+        #: Restart crashed workers; set once the pipeline is up (before that, a worker
+        #: that exits is a start-up failure to report, not to retry).
+        self.supervise = False
 
     def _env(self, stage: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -89,9 +97,22 @@ class LocalLauncher:
 
     async def _watch(self, stage: str, replica: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
+        if self._closing:
+            return
+        log.warning("worker_exited", stage=stage, replica=replica, pid=proc.pid, code=code)
+        self._on_exit(stage, replica, code)
+        key = (stage, replica)
+        done = self.restarts.get(key, 0)
+        # A worker that failed its setup would fail again; one that crashed or was killed
+        # is restarted (with backoff, a bounded number of times) and takes its slot back.
+        if not self.supervise or code in (0, EXIT_SETUP_FAILED) or done >= self._max_restarts:
+            return
+        self.restarts[key] = done + 1
+        await asyncio.sleep(min(5.0, 0.25 * 2**done))
         if not self._closing:
-            log.warning("worker_exited", stage=stage, replica=replica, pid=proc.pid, code=code)
-            self._on_exit(stage, replica, code)
+            log.info("worker_restarting", stage=stage, replica=replica, attempt=done + 1)
+            # Shielded: once spawning starts it completes, so the process is tracked.
+            await asyncio.shield(self.start(stage, replica))
 
     @property
     def pids(self) -> dict[tuple[str, int], int]:
@@ -105,9 +126,9 @@ class LocalLauncher:
             Nothing: only pids this launcher started are signalled.
         """
         self._closing = True
-        running = [p for p in self.procs.values() if p.returncode is None]
         for sig, wait in ((None, grace), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
-            running = [p for p in running if p.returncode is None]
+            # Read afresh each round: a restart already under way may have added a process.
+            running = [p for p in self.procs.values() if p.returncode is None]
             if not running:
                 break
             if sig is not None:

@@ -40,6 +40,7 @@ from pipeline._messages import (
     Failed,
     Heartbeat,
     Peers,
+    PeerTable,
     Ready,
     Register,
     SetupFailed,
@@ -94,6 +95,7 @@ class _Worker:
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_MESSAGE)
         self.endpoint = bind_ephemeral(self.inbox, f"tcp://{bind_host}:0")
         self.outbox = Outbox(self.zctx)
+        self.peer_endpoints: set[str] = set()
         self.assignment: asyncio.Future[Assignment] | None = None
         self.actor: StageActor | None = None
         self.stop = asyncio.Event()
@@ -126,6 +128,7 @@ class _Worker:
             case Drop(request_id=rid) if actor is not None:
                 actor.forget(rid)
             case Peers(peers=peers) if actor is not None:
+                self._forget_departed(peers)
                 actor.set_peers(peers)
             case Assignment() if self.assignment is not None and not self.assignment.done():
                 self.assignment.set_result(msg)
@@ -137,6 +140,14 @@ class _Worker:
                 self.stop.set()
             case _:
                 pass
+
+    def _forget_departed(self, peers: PeerTable) -> None:
+        # A socket to a dead replica's endpoint would hold its queued envelopes and retry
+        # the connection forever; the master's new table says who is gone.
+        now = {p.endpoint for replicas in peers.values() for p in replicas.values()}
+        for endpoint in self.peer_endpoints - now:
+            self.outbox.forget(endpoint)
+        self.peer_endpoints = now
 
     async def register(self, timeout: float) -> Assignment:
         self.assignment = asyncio.get_running_loop().create_future()
@@ -184,6 +195,7 @@ class _Worker:
             send=self.outbox.send,
             report_failure=self.report_failure,
         )
+        self._forget_departed(assignment.peers)
         actor.set_peers(assignment.peers, assignment.client)
         self.actor = actor
         self.data_reader = SocketReader(self.inbox, actor.on_data, self._on_error)

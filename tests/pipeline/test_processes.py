@@ -199,3 +199,23 @@ async def test_start_failure_exits_3_with_one_line(tmp_path: Path) -> None:
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "weights file is missing" in lines[0], err
     assert "Traceback" not in err
+
+
+async def test_killed_worker_is_restarted_and_takes_its_slot_back() -> None:
+    """A replica killed with -9 is restarted, re-registers, and serves requests again."""
+    s = spec({"echo": {"impl": ":Echo", "replicas": 2}}, [])
+    async with Pipeline(s) as pipe:
+        victim = pipe.worker_pids[("echo", 0)]
+        os.kill(victim, signal.SIGKILL)
+
+        async def back() -> bool:
+            pid = pipe.worker_pids.get(("echo", 0))
+            stats = await pipe.statistics()
+            return pid not in (None, victim) and len(stats["replicas"]) == 2
+
+        await wait_for(back, timeout=20)
+        outs = await asyncio.gather(*(pipe.submit(Text(f"r{i}")) for i in range(40)))
+        assert [o.value for o in outs] == [f"r{i}" for i in range(40)]
+        served = {r["replica"]: r["completed"] for r in (await pipe.statistics())["replicas"]}
+        assert served[0] > 0, served
+        assert served[1] > 0, served
