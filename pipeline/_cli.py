@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import structlog
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -31,6 +32,8 @@ from pipeline._logging import configure_logging
 from pipeline._report import render_tables
 
 __all__ = ("EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_START", "main")
+
+log = structlog.get_logger("stagewire.cli")
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
@@ -104,6 +107,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         except PipelineError as exc:
             raise _Fail(str(exc), EXIT_START) from exc
     started = time.perf_counter() - t0
+    log.info("run_started", pipeline=pipe.spec.name, requests=total, startup_s=round(started, 3))
     failures: list[str] = []
     outputs: list[tuple[int, Any]] = []
     try:

@@ -112,6 +112,8 @@ class Orchestrator:
         self._by_edge = {ch.plan.name: ch for ch in self._from_sinks.values()}
         self._src_by_edge = {ch.plan.name: ch for ch in self._to_sources.values()}
         self.counts = dict.fromkeys(("submitted", "completed", "failed", "aborted", "garbage"), 0)
+        #: The most requests ever admitted at once (bounded by max_inflight).
+        self.peak_active = 0
 
     # ---- planning ------------------------------------------------------------------------
 
@@ -156,6 +158,7 @@ class Orchestrator:
             req.inflows[sink] = ch.open(rid, chunk_timeout=math.inf)
         self.requests[rid] = req
         self.counts["submitted"] += 1
+        self.peak_active = max(self.peak_active, len(self.requests))
         admit = Admit(rid, route)
         for stage, r in chosen.items():
             r.requests.add(rid)
@@ -326,6 +329,7 @@ class Orchestrator:
         return {
             **self.counts,
             "active": len(self.requests),
+            "peak_active": self.peak_active,
             "inputs": [ch.statistics() for ch in self._from_sinks.values()],
             "outputs": [ch.statistics() for ch in self._to_sources.values()],
         }

@@ -32,7 +32,7 @@ class Tokens(Stage):
     async def process(self, text: Text, ctx: Context) -> AsyncIterator[Token]:
         for i, word in enumerate(text.value.split()):
             if word == "stall" and i > 0:
-                await asyncio.sleep(3600)
+                await asyncio.Event().wait()  # never set: the stream stalls until aborted
             yield Token(i, word)
 
 

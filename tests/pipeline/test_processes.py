@@ -135,7 +135,7 @@ async def test_garbage_on_sockets_is_dropped_and_counted() -> None:
 
 
 def _stagewire(tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
-    """Start ``stagewire`` in its own session, its stderr going to ``tmp_path/err``."""
+    """Start ``stagewire`` in its own session, its stderr (with info logs) to ``tmp_path/err``."""
     with (tmp_path / "err").open("wb") as err:
         return subprocess.Popen(
             [sys.executable, "-m", "pipeline", *args],
@@ -143,6 +143,7 @@ def _stagewire(tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
             stdout=subprocess.DEVNULL,
             stderr=err,
             start_new_session=True,
+            env={**os.environ, "STAGEWIRE_LOG_LEVEL": "info"},
         )
 
 
@@ -162,7 +163,11 @@ async def test_ctrl_c_stops_run_and_every_worker(tmp_path: Path) -> None:
     )
     try:
         workers = await _workers_of(proc, 1)
-        await asyncio.sleep(1.0)  # let the run get going: Ctrl-C lands mid-run, not at start
+
+        async def running() -> bool:
+            return "run_started" in (tmp_path / "err").read_text()
+
+        await wait_for(running, timeout=30)  # Ctrl-C lands mid-run, not during start-up
         os.killpg(proc.pid, signal.SIGINT)
         code = await asyncio.to_thread(proc.wait, 30)
         assert code == 130, (tmp_path / "err").read_text()
