@@ -31,8 +31,11 @@ class Encoded:
 
     header: bytes
     buffers: tuple[Buffer, ...] = ()
+    _nbytes: int = -1
 
     @property
     def nbytes(self) -> int:
-        """Total size of the header and all buffers, in bytes."""
-        return len(self.header) + sum(memoryview(b).nbytes for b in self.buffers)
+        """Total size of the header and all buffers, in bytes (computed once)."""
+        if self._nbytes < 0:
+            self._nbytes = len(self.header) + sum(memoryview(b).nbytes for b in self.buffers)
+        return self._nbytes

@@ -46,6 +46,8 @@ class ReorderBuffer(Generic[T]):
         "_exc",
         "_expected",
         "_expired",
+        "_deadline",
+        "_timer",
         "_final_seq",
         "_finished",
         "_invalid",
@@ -74,6 +76,8 @@ class ReorderBuffer(Generic[T]):
         self._chunks: dict[int, tuple[T, bool]] = {}
         self._waiter: asyncio.Future[None] | None = None
         self._expired = False
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self._exc: BaseException | None = None
         self._closed = False
         self._finished = False
@@ -193,10 +197,14 @@ class ReorderBuffer(Generic[T]):
         if self._waiter is not None:
             raise RuntimeError(f"another task is already waiting on {self._edge!r}")
         loop = asyncio.get_running_loop()
-        # A plain timer handle rather than asyncio.timeout(): this wait happens once per
-        # chunk on a streaming edge, and the context manager cost several times as much.
+        # This wait happens once per chunk on a streaming edge, so it arms no timer of its
+        # own: it moves the deadline, and one timer per buffer, re-armed lazily when it
+        # fires early, enforces it. A timer per wait cost more than the rest of the wait.
         self._expired = False
-        timer = None if math.isinf(self._timeout) else loop.call_later(self._timeout, self._expire)
+        if not math.isinf(self._timeout):
+            self._deadline = loop.time() + self._timeout
+            if self._timer is None:
+                self._timer = loop.call_at(self._deadline, self._expire)
         try:
             while not (self._closed or self._finished):
                 self._waiter = loop.create_future()
@@ -209,15 +217,19 @@ class ReorderBuffer(Generic[T]):
                     raise ChunkGap(self._request_id, self._edge, self._expected, self._timeout)
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
         raise self._ended_error()
 
     def _expire(self) -> None:
-        self._expired = True
+        self._timer = None
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is None or waiter.done():
+            return  # nobody waits; the next wait arms a timer again
+        loop = waiter.get_loop()
+        if loop.time() < self._deadline:
+            self._timer = loop.call_at(self._deadline, self._expire)
+            return
+        self._expired = True
+        waiter.set_result(None)
 
     def abort(self, exc: BaseException | None = None) -> int:
         """Drop every buffered chunk and fail the consumer with ``exc``.
@@ -249,6 +261,9 @@ class ReorderBuffer(Generic[T]):
 
     def _end(self) -> int:
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -271,7 +286,11 @@ class ReorderBuffer(Generic[T]):
         if entry is not None:
             self._expected += 1
             self._delivered += 1
-            self._finished = entry[1]
+            if entry[1]:
+                self._finished = True
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
         return entry
 
     def _raise_if_ended(self) -> None:
