@@ -40,14 +40,13 @@ class ReorderBuffer(Generic[T]):
     __slots__ = (
         "_chunks",
         "_closed",
+        "_deadline",
         "_delivered",
         "_duplicates",
         "_edge",
         "_exc",
         "_expected",
         "_expired",
-        "_deadline",
-        "_timer",
         "_final_seq",
         "_finished",
         "_invalid",
@@ -56,6 +55,7 @@ class ReorderBuffer(Generic[T]):
         "_on_discard",
         "_request_id",
         "_timeout",
+        "_timer",
         "_waiter",
     )
 
