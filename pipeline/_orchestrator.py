@@ -167,9 +167,19 @@ class Orchestrator:
             req.timer = asyncio.get_running_loop().call_later(
                 self._timeout, self.fail, rid, RequestTimeout(rid, self._timeout)
             )
-        for src, enc in encoded.items():
-            r = chosen[src]
-            await self._to_sources[src].send(rid, enc, True, SendTarget(r.endpoint, r.host))
+        try:
+            for src, enc in encoded.items():
+                r = chosen[src]
+                await self._to_sources[src].send(rid, enc, True, SendTarget(r.endpoint, r.host))
+        except BaseException as exc:
+            # Admitted everywhere but never fed: abort it, or every stage holds it forever.
+            reason = (
+                "cancelled while submitting"
+                if isinstance(exc, asyncio.CancelledError)
+                else str(exc)
+            )
+            self.abort(rid, reason)
+            raise
         return req
 
     # ---- outputs -------------------------------------------------------------------------
