@@ -56,7 +56,10 @@ def edge_rows(replicas: list[dict[str, Any]], client: dict[str, Any]) -> list[di
         for i in r["inputs"]:
             hops.setdefault(i["edge"], i)
     rows = []
-    for edge, row in sent.items():
+    # Follow the data: the client's input edges first, its output edges last.
+    order = sorted(sent, key=lambda e: (not e.startswith("@"), e.endswith("@client"), e))
+    for edge in order:
+        row = sent[edge]
         used = ", ".join(f"{k} {v}" for k, v in sorted(row["used"].items())) or "-"
         hop = hops.get(edge, {})
         rows.append(
