@@ -261,7 +261,10 @@ class Master:
             for rep in list(self.replicas.values()):
                 if not rep.alive:
                     continue
-                if now - rep.last_seen > timeout:
+                # A replica still importing and setting up its stage may hold the CPU for
+                # longer than a heartbeat (loading a model); it is bounded by startup_timeout
+                # and, when local, by its process exiting, so only ready ones are timed here.
+                if rep.ready and now - rep.last_seen > timeout:
                     self.replica_lost(rep.stage, rep.replica, f"missed heartbeats for {timeout:g}s")
                 else:
                     self._send(rep.identity, Heartbeat("@master", 0))

@@ -1,0 +1,117 @@
+"""The ``decode`` stage: rebuilds the KV cache from prefill's stream, then decodes greedily,
+streaming tokens to the client as they are produced and ending with a summary chunk.
+
+The cache is consumed layer by layer as it arrives and checked for order and completeness.
+The first token goes out alone, so the time to first token never waits for a full chunk;
+then tokens go out ``chunk_tokens`` at a time. The last chunk (``done=True``) carries the
+full text, every generated id, why generation stopped, and wall-clock timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline import Context, Stage, Stream
+from stages.model import TINY_VLM, Decoder, GreedyDecoding, LayerKV
+from stages.payloads import DecodeChunk, KVChunk
+from stages.tokenizer import TextStream
+from stages.weights import load_decoder
+
+__all__ = ("Decode",)
+
+
+class Decode(Stage):
+    """Greedy decoding from a streamed KV cache; loads only the decoder's weights."""
+
+    class Params(BaseModel):
+        """Decode settings.
+
+        Attributes:
+            max_new_tokens: the most tokens generated per request.
+            chunk_tokens: tokens per streamed chunk after the first token.
+        """
+
+        model_config = ConfigDict(extra="forbid")
+
+        max_new_tokens: int = Field(32, ge=1, le=TINY_VLM.max_context)
+        chunk_tokens: int = Field(4, ge=1, le=TINY_VLM.max_context)
+
+    decoder: Decoder
+
+    async def setup(self) -> None:
+        """Load the decoder's weights, with one torch thread (see ``Encode.setup``).
+
+        Raises:
+            WeightsError: the weights file is malformed or fails verification.
+        """
+        torch.set_num_threads(1)
+        self.decoder = load_decoder(device=self.device)
+
+    async def _receive(self, kv: Stream[KVChunk]) -> tuple[list[LayerKV], int]:
+        """The whole cache and the first token, checked for order and completeness."""
+        cache: list[LayerKV] = []
+        first: int | None = None
+        async for chunk in kv:
+            if chunk.layer != len(cache):
+                raise ValueError(f"KV for layer {chunk.layer} arrived where {len(cache)} was due")
+            cache.append((chunk.keys.to(self.device), chunk.values.to(self.device)))
+            first = chunk.first_token
+        if len(cache) != TINY_VLM.decoder_layers:
+            raise ValueError(f"prefill sent {len(cache)} of {TINY_VLM.decoder_layers} KV layers")
+        if first is None:
+            raise ValueError("prefill's last KV chunk carried no first token")
+        return cache, first
+
+    async def process(self, kv: Stream[KVChunk], ctx: Context) -> AsyncIterator[DecodeChunk]:
+        """Stream the generated tokens, then a final summary chunk.
+
+        Raises:
+            ValueError: the KV stream is out of order or incomplete.
+            ChunkGap: a KV chunk did not arrive within the edge's chunk timeout.
+        """
+        params = self.params
+        assert isinstance(params, Decode.Params)
+        t0 = time.perf_counter()
+        cache, first = await self._receive(kv)
+        t_kv = time.perf_counter()
+        decoding = GreedyDecoding(self.decoder, first, cache, params.max_new_tokens)
+        text = TextStream()
+        parts: list[str] = []
+        generated: list[int] = []
+        pending: list[int] = []
+        t_first = t_kv
+        for token in decoding:
+            generated.append(token)
+            pending.append(token)
+            if len(generated) == 1 or len(pending) >= params.chunk_tokens:
+                parts.append(delta := text.push(pending))
+                if len(generated) == 1:
+                    t_first = time.perf_counter()
+                yield DecodeChunk(token_ids=pending, text_delta=delta)
+                pending = []
+            # Let other requests' steps and sends interleave, and notice an abort.
+            await ctx.checkpoint()
+        if pending:
+            parts.append(delta := text.push(pending))
+            yield DecodeChunk(token_ids=pending, text_delta=delta)
+        tail = text.flush()
+        t_end = time.perf_counter()
+        decode_s = t_end - t_kv
+        yield DecodeChunk(
+            token_ids=[],
+            text_delta=tail,
+            done=True,
+            text="".join(parts) + tail,
+            generated_ids=generated,
+            stop_reason=decoding.stop_reason,
+            timings={
+                "kv_receive_ms": (t_kv - t0) * 1e3,
+                "first_token_ms": (t_first - t0) * 1e3,
+                "decode_ms": decode_s * 1e3,
+                "tokens_per_s": len(generated) / decode_s if decode_s > 0 else 0.0,
+            },
+        )
