@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean install
+.PHONY: demo demo-text test lint bench clean install
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,14 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -m "not soak" $(PYTEST_ARGS)
 
+# The reference pipeline (a tiny vision-language model in four stages): one response
+# streamed as it is decoded, then a batch with a progress bar, then the figures.
 demo: $(STAMP)
+	$(BIN)/stagewire run configs/tiny-vlm.yaml --input-file stages/assets/requests.jsonl \
+		--requests 200 --concurrency 16 --show-stream text_delta
+
+# The text example: split -> upper -> join.
+demo-text: $(STAMP)
 	$(BIN)/stagewire run configs/demo.yaml --input-file configs/demo-inputs.jsonl --requests 200 --concurrency 16
 
 bench: $(STAMP)

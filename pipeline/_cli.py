@@ -111,6 +111,8 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     failures: list[str] = []
     outputs: list[tuple[int, Any]] = []
     try:
+        if args.show_stream is not None:
+            await _show_stream(pipe, inputs[0], args.show_stream, console)
         queue = iter(enumerate(itertools.islice(itertools.cycle(inputs), total)))
         progress = Progress(
             TextColumn("[bold]{task.description}"),
@@ -145,7 +147,8 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         sys.stdout.write(f"{i}: {_to_json(out).decode()}\n")
     if len(shown) < len(outputs):
         console.print(f"({len(outputs) - len(shown)} more outputs; --print-outputs shows all)")
-    for table in render_tables(stats):
+    spec = pipe.spec
+    for table in render_tables(stats, [e.name for e in spec.edges], spec.topological_order()):
         console.print(table)
     console.print(
         f"{total - len(failures)}/{total} requests ok in {elapsed:.2f}s "
@@ -155,6 +158,29 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     for line in failures[:5]:
         console.print(f"[red]failed[/red] {line}")
     return EXIT_FAILED if failures else 0
+
+
+async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console) -> None:
+    """Stream one request to the terminal as its chunks arrive.
+
+    With ``field``, each chunk's attribute of that name is written inline (a text delta);
+    without, each chunk is a JSON line.
+    """
+    console.print(f"[bold]streaming one request[/bold] ({'field ' + field if field else 'chunks'})")
+    try:
+        async for chunk in pipe.stream(value):
+            if field:
+                piece = getattr(chunk, field, None)
+                if isinstance(piece, str) and piece:
+                    sys.stdout.write(piece)
+            else:
+                sys.stdout.write(_to_json(chunk).decode() + "\n")
+            sys.stdout.flush()
+    except PipelineError as exc:
+        console.print(f"[red]streamed request failed:[/red] {exc}")
+    if field:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 def _validate(args: argparse.Namespace, console: Console) -> int:
@@ -184,6 +210,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--requests", type=int, default=0, help="requests to send (cycles inputs)")
     run.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     run.add_argument("--print-outputs", action="store_true", help="print every output")
+    run.add_argument(
+        "--show-stream",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FIELD",
+        help="first stream one request to the terminal as it is produced; with FIELD, "
+        "print that field of each chunk inline (e.g. text_delta)",
+    )
     val = sub.add_parser("validate", help="check a pipeline file without starting anything")
     val.add_argument("config")
     sub.add_parser(

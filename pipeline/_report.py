@@ -21,10 +21,13 @@ def _us(v: float) -> str:
     return f"{v / 1000:.2f} ms" if v >= 1000 else f"{v:.0f} µs"
 
 
-def stage_rows(replicas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def stage_rows(
+    replicas: list[dict[str, Any]], order: list[str] | None = None
+) -> list[dict[str, Any]]:
     """One row per stage replica: requests, failures, chunks and process latency."""
+    rank = {name: i for i, name in enumerate(order or [])}
     rows = []
-    for r in replicas:
+    for r in sorted(replicas, key=lambda r: (rank.get(r["stage"], len(rank)), r["replica"])):
         rows.append(
             {
                 "stage": f"{r['stage']}[{r['replica']}]",
@@ -40,8 +43,13 @@ def stage_rows(replicas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def edge_rows(replicas: list[dict[str, Any]], client: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per edge: chunks, bytes, transports actually used and hop latency."""
+def edge_rows(
+    replicas: list[dict[str, Any]], client: dict[str, Any], order: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """One row per edge: chunks, bytes, transports actually used and hop latency.
+
+    Rows follow ``order`` (edge names) where given, then the client's edges, then the rest.
+    """
     sent: dict[str, dict[str, Any]] = {}
     hops: dict[str, dict[str, Any]] = {}
     for r in [*replicas, client]:
@@ -56,9 +64,13 @@ def edge_rows(replicas: list[dict[str, Any]], client: dict[str, Any]) -> list[di
         for i in r["inputs"]:
             hops.setdefault(i["edge"], i)
     rows = []
+    rank = {name: i for i, name in enumerate(order or [])}
     # Follow the data: the client's input edges first, its output edges last.
-    order = sorted(sent, key=lambda e: (not e.startswith("@"), e.endswith("@client"), e))
-    for edge in order:
+    ordered = sorted(
+        sent,
+        key=lambda e: (not e.startswith("@"), e.endswith("@client"), rank.get(e, len(rank)), e),
+    )
+    for edge in ordered:
         row = sent[edge]
         used = ", ".join(f"{k} {v}" for k, v in sorted(row["used"].items())) or "-"
         hop = hops.get(edge, {})
@@ -76,12 +88,16 @@ def edge_rows(replicas: list[dict[str, Any]], client: dict[str, Any]) -> list[di
     return rows
 
 
-def render_tables(stats: dict[str, Any]) -> list[Table]:
-    """Rich tables for the stages and the edges of a run."""
+def render_tables(
+    stats: dict[str, Any],
+    edge_order: list[str] | None = None,
+    stage_order: list[str] | None = None,
+) -> list[Table]:
+    """Rich tables for the stages and the edges of a run, in the pipeline's order."""
     stages = Table(title="stages", title_justify="left")
     for col in ("stage", "requests", "failed", "aborted", "chunks in", "chunks out", "p50", "p99"):
         stages.add_column(col, justify="left" if col == "stage" else "right")
-    for row in stage_rows(stats["replicas"]):
+    for row in stage_rows(stats["replicas"], stage_order):
         stages.add_row(
             row["stage"],
             str(row["requests"]),
@@ -95,7 +111,7 @@ def render_tables(stats: dict[str, Any]) -> list[Table]:
     edges = Table(title="edges", title_justify="left")
     for col in ("edge", "chunks", "bytes", "transport", "used", "hop p50", "hop p99"):
         edges.add_column(col, justify="right" if col in ("chunks", "bytes") else "left")
-    for row in edge_rows(stats["replicas"], stats["client"]):
+    for row in edge_rows(stats["replicas"], stats["client"], edge_order):
         edges.add_row(
             row["edge"],
             str(row["chunks"]),
