@@ -79,3 +79,28 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     res = _run("--debug", "validate", str(tmp_path / "missing.yaml"))
     assert res.returncode != 0
     assert "Traceback" in res.stderr
+
+
+def test_show_stream_prints_the_first_response_as_it_streams(tmp_path: Path) -> None:
+    """--show-stream FIELD writes that field of each streamed chunk, in order, before the batch."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(
+        "stages:\n"
+        "  tokens: {impl: 'tests.pipeline.sample_stages:Tokens'}\n"
+        "  relay: {impl: 'tests.pipeline.sample_stages:Relay'}\n"
+        "edges:\n  - {from: tokens, to: relay}\n"
+    )
+    res = _run(
+        "run",
+        str(cfg),
+        "--input",
+        '{"value": "alpha beta gamma"}',
+        "--requests",
+        "3",
+        "--show-stream",
+        "value",
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[0] == "alphabetagamma"
+    assert "streaming one request" in res.stderr
+    assert "3/3 requests ok" in res.stderr
