@@ -37,6 +37,7 @@ from pipeline._messages import (
     StatsRequest,
 )
 from pipeline._orchestrator import Orchestrator, ReplicaView
+from pipeline._pulse import pulse_identity
 from pipeline._signature import PipelinePlan
 from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
 from pipeline._worker import MAX_CONTROL_MESSAGE, MAX_DATA_MESSAGE
@@ -177,7 +178,11 @@ class Master:
             self._register(identity, msg)
             return
         rep = self.replicas.get((msg.stage, msg.replica))
-        if rep is None or rep.identity != identity:
+        if rep is None or (
+            rep.identity != identity
+            # A worker's heartbeats come from its own thread's socket (see _pulse.py).
+            and not (isinstance(msg, Heartbeat) and identity == pulse_identity(rep.identity))
+        ):
             self.garbage += 1
             return
         rep.last_seen = time.monotonic()

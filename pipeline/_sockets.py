@@ -83,6 +83,10 @@ class SocketReader:
             self._scheduled = True
             self._loop.call_soon(self._drain)
 
+    def drain_now(self) -> None:
+        """Handle whatever input is queued right now."""
+        self._drain()
+
     def _drain(self) -> None:
         self._scheduled = False
         sock = self.sock

@@ -38,7 +38,6 @@ from pipeline._messages import (
     ControlToWorker,
     Drop,
     Failed,
-    Heartbeat,
     Peers,
     PeerTable,
     Ready,
@@ -48,6 +47,7 @@ from pipeline._messages import (
     StatsReply,
     StatsRequest,
 )
+from pipeline._pulse import Pulse
 from pipeline._signature import build_plan
 from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
 
@@ -84,8 +84,10 @@ class _Worker:
         self.replica = replica
         self.host = host_identity()
         self.zctx = new_context()
+        self.master = master
+        self.identity = f"{stage}/{replica}/{os.getpid()}".encode()
         self.control = self.zctx.socket(zmq.DEALER)
-        self.control.setsockopt(zmq.IDENTITY, f"{stage}/{replica}/{os.getpid()}".encode())
+        self.control.setsockopt(zmq.IDENTITY, self.identity)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
         self.control.connect(master)
@@ -212,10 +214,31 @@ class _Worker:
         return code
 
     async def _heartbeat(self, interval: float, master_timeout: float) -> int:
+        actor = self.actor
+        assert actor is not None
+        pulse = Pulse(
+            self.zctx,
+            self.master,
+            self.identity,
+            self.stage,
+            self.replica,
+            interval,
+            lambda: actor.inflight,
+        )
+        pulse.start()
+        try:
+            return await self._watch_master(interval, master_timeout)
+        finally:
+            pulse.stop()
+
+    async def _watch_master(self, interval: float, master_timeout: float) -> int:
+        assert self.actor is not None
         while not self.stop.is_set():
-            assert self.actor is not None
-            self.send_control(Heartbeat(self.stage, self.replica, self.actor.inflight))
             self.actor.sweep(time.monotonic())
+            if time.monotonic() - self.last_seen > master_timeout:
+                # The loop may just have been held by a long handler: read what the master
+                # sent meanwhile before concluding it is gone.
+                self.control_reader.drain_now()
             if time.monotonic() - self.last_seen > master_timeout:
                 log.error("master_lost", stage=self.stage, silent_for=master_timeout)
                 return EXIT_MASTER_LOST

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -171,4 +172,14 @@ class BrokenSetup(Stage):
         raise OSError("weights file is missing")
 
     async def process(self, text: Text, ctx: Context) -> Text:
+        return text
+
+
+class Hog(Stage):
+    """Holds the event loop with CPU work for the given seconds, like a large prefill."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        end = time.monotonic() + float(text.value)
+        while time.monotonic() < end:
+            pass
         return text

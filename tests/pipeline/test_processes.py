@@ -224,3 +224,14 @@ async def test_killed_worker_is_restarted_and_takes_its_slot_back() -> None:
         served = {r["replica"]: r["completed"] for r in (await pipe.statistics())["replicas"]}
         assert served[0] > 0, served
         assert served[1] > 0, served
+
+
+async def test_a_stage_holding_the_loop_is_not_declared_dead() -> None:
+    """A handler that blocks its event loop past the heartbeat timeout still completes."""
+    s = spec({"hog": ":Hog"}, [], heartbeat_timeout="1s", heartbeat_interval="200ms")
+    async with Pipeline(s) as pipe:
+        assert await pipe.submit(Text("3")) == Text("3")
+        assert await pipe.submit(Text("0")) == Text("0")
+        stats = await pipe.statistics()
+        assert stats["replicas"][0]["completed"] == 2
+        assert stats["client"]["failed"] == 0

@@ -1,0 +1,80 @@
+"""A worker's heartbeat, sent from its own thread.
+
+A stage may hold the event loop for seconds (a large prefill on the CPU, a model load).
+Heartbeats sent from the loop would stop meanwhile and the master would declare a healthy
+replica dead, so they come from a thread with its own ZMQ socket instead. The socket's
+identity is the control socket's plus ``/hb``, which the master accepts for that replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from pipeline._messages import Heartbeat
+
+__all__ = ("Pulse", "pulse_identity")
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def pulse_identity(control_identity: bytes) -> bytes:
+    """The identity of the heartbeat socket belonging to a control socket."""
+    return control_identity + b"/hb"
+
+
+class Pulse:
+    """Sends ``Heartbeat`` every ``interval`` seconds until stopped."""
+
+    def __init__(
+        self,
+        zctx: zmq.Context[Any],
+        master: str,
+        identity: bytes,
+        stage: str,
+        replica: int,
+        interval: float,
+        inflight: Callable[[], int],
+    ) -> None:
+        self._zctx = zctx
+        self._master = master
+        self._identity = pulse_identity(identity)
+        self._stage = stage
+        self._replica = replica
+        self._interval = interval
+        self._inflight = inflight
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stagewire-pulse", daemon=True)
+
+    def start(self) -> None:
+        """Start beating."""
+        self._thread.start()
+
+    def _run(self) -> None:
+        sock = self._zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self._identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Heartbeats must not pile up while the master is unreachable: keep only a few.
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.connect(self._master)
+        try:
+            while not self._stopped.is_set():
+                # Reading an int another thread updates is safe under the GIL; a stale value
+                # only delays the master's view of the load by one beat.
+                beat = Heartbeat(self._stage, self._replica, self._inflight())
+                with contextlib.suppress(zmq.Again):
+                    sock.send(_encode(beat), zmq.NOBLOCK)
+                self._stopped.wait(self._interval)
+        finally:
+            sock.close(linger=0)
+
+    def stop(self) -> None:
+        """Stop beating and wait for the thread; idempotent."""
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
