@@ -72,6 +72,7 @@ class StageActor:
         endpoint: str,
         send: Callable[[str, bytes], None],
         report_failure: Callable[[FailureInfo], None],
+        max_inflight: int = 1024,
     ) -> None:
         self.plan = plan
         self.stage = plan.name
@@ -100,6 +101,7 @@ class StageActor:
                 instance, plan.spec.max_batch_size, plan.spec.max_wait_ms / 1000
             )
         self._chunk_timeout = max(e.chunk_timeout for e in plan.inputs.values())
+        self._max_requests = 2 * max_inflight
         self.latency = LatencyRecorder()
         #: The most chunks one (request, edge) ever held waiting: the window bounds it.
         self.peak_buffered = 0
@@ -202,6 +204,12 @@ class StageActor:
         rid = chunk.key.request_id
         if rid in self._finished:
             self.counts["late"] += 1
+            channel.discard(item)
+            return
+        if rid not in self._requests and len(self._requests) >= self._max_requests:
+            # Chunks may precede their Admit, but never by more than the admitted requests:
+            # past that they are forged or stale, and must not grow state without bound.
+            self._garbage(1)
             channel.discard(item)
             return
         req = self._request(rid)

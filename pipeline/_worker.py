@@ -196,6 +196,7 @@ class _Worker:
             endpoint=self.endpoint,
             send=self.outbox.send,
             report_failure=self.report_failure,
+            max_inflight=spec.defaults.max_inflight,
         )
         self._forget_departed(assignment.peers)
         actor.set_peers(assignment.peers, assignment.client)

@@ -235,3 +235,47 @@ async def test_a_stage_holding_the_loop_is_not_declared_dead() -> None:
         stats = await pipe.statistics()
         assert stats["replicas"][0]["completed"] == 2
         assert stats["client"]["failed"] == 0
+
+
+async def test_forged_chunks_cannot_grow_state_without_bound() -> None:
+    """Chunks for never-admitted requests are held only up to twice max_inflight."""
+    import msgspec
+
+    from pipeline._keys import ChunkKey
+    from pipeline._messages import Chunk
+    from transports.inline import InlineDescriptor
+
+    s = spec({"echo": ":Echo"}, [], max_inflight=4)
+    async with Pipeline(s) as pipe:
+        endpoint = pipe.data_endpoints[("echo", 0)]
+        descriptor = msgspec.Raw(msgspec.msgpack.encode(InlineDescriptor(b"\x91\xa1x", [])))
+        frames = [
+            msgspec.msgpack.encode(
+                Chunk(
+                    ChunkKey(f"forged-{i}", "@client->echo", 0),
+                    True,
+                    "inline",
+                    descriptor,
+                    "tcp://127.0.0.1:9",
+                    "h",
+                    0,
+                )
+            )
+            for i in range(50)
+        ]
+        ctx = zmq.Context()
+        try:
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 1000)
+            push.connect(endpoint)
+            push.send_multipart(frames)
+            push.close()
+        finally:
+            ctx.term()
+
+        async def counted() -> bool:
+            return (await pipe.statistics())["replicas"][0]["garbage"] >= 50 - 8
+
+        await wait_for(counted)
+        assert (await pipe.statistics())["replicas"][0]["active"] <= 8
+        assert await pipe.submit(Text("real")) == Text("real")
