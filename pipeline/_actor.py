@@ -94,6 +94,7 @@ class StageActor:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._sem = asyncio.Semaphore(plan.spec.max_concurrency)
         self._streaming_out = plan.signature.streaming_output
+        self._stream_params = frozenset(i.name for i in plan.signature.inputs if i.streaming)
         self._per_dest = plan.signature.per_destination is not None
         self._batcher: Batcher | None = None
         if plan.signature.batched and plan.spec.max_batch_size > 1:
@@ -272,10 +273,6 @@ class StageActor:
                 return
             self.counts["completed"] += 1
             self.latency.add((time.perf_counter() - t0) * 1e6)
-
-    @property
-    def _stream_params(self) -> set[str]:
-        return {i.name for i in self.plan.signature.inputs if i.streaming}
 
     async def _produce(self, req: _Request, ctx: Context, kwargs: dict[str, Any]) -> None:
         if self._batcher is not None:
