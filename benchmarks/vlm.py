@@ -1,0 +1,1023 @@
+"""The tiny-VLM pipeline, staged across 4 processes, against the monolithic reference, in one run.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/vlm.py [--quick] [--json OUT] [--decode-replicas N]
+
+The markdown report goes to stdout, progress (and the workers' logs) to stderr. A full run
+takes about 95 s on a 2-core machine, ``--quick`` about 30 s; ``--decode-replicas 2`` adds
+about 25 s (``--quick``: 20 s).
+
+Both sides process the same inputs: the shipped sample requests (``sample_requests(12)``,
+PNG bytes and a prompt each), cycled in the same order from index 0 in every trial. Trials
+of the two sides are interleaved (mono, staged, mono, staged, ...), so drift in the
+machine's speed hits both alike, and everything is reported as medians over trials and as
+ratios against the monolithic baseline measured in the same run.
+
+Monolithic (the baseline). A child process (so that it owns its interpreter and never
+shares an event loop or a GIL with the client) loads the whole model and, on command,
+runs ``prepare(request)`` (the preprocess stage's body: PNG decode, resize, tokenise) and
+the reference generation, with ``torch.set_num_threads(1)`` as every stage sets it (so the
+numerics are bit-for-bit those of the stages, and the baseline gets the one thread a stage
+gets). It runs while the pipeline's workers sit idle, and the other way round.
+
+* latency and TTFT (concurrency 1): ``generate()``'s body inlined (vision encoder, prefill
+  layer by layer, then ``GreedyDecoding``, under ``torch.inference_mode()`` as
+  ``generate()`` runs) with timestamps between the steps, so the time to first token is
+  when the first greedy token exists and e2e is when the last one does.
+* throughput (concurrency 8): ``prepare`` + ``generate()`` itself, back to back. A
+  single-process server running a synchronous ``generate()`` cannot overlap requests: with
+  8 requests outstanding it works them off one after another, whatever the interleaving
+  of its event loop, and the model has no batched path. So its throughput at any
+  concurrency is requests completed / busy time of the back-to-back loop. The loop's own
+  clock is used (no request transport at all), which makes this baseline as strong as a
+  monolithic server on one thread can be: the staged pipeline must beat pure compute.
+
+Staged. ``Pipeline.from_yaml("configs/tiny-vlm.yaml")``: 4 worker processes (preprocess,
+encode, prefill, decode), the master in this process.
+
+* latency and TTFT (concurrency 1): sequential ``pipe.stream(request)``; TTFT is the first
+  chunk with tokens, e2e is when the stream ends (the request is complete for the client).
+* throughput (concurrency 8): 8 client tasks submitting ``pipe.submit`` back to back,
+  sharing a fixed count of requests and a deadline; requests/s = completed / wall time.
+* start-up: the time ``async with Pipeline.from_yaml(...)`` takes to be ready, against the
+  monolithic child's start-up (interpreter, imports, model load).
+
+Every request measured on either side (and every warm-up request) is checked against the
+tokens ``generate()`` produced for that input in the monolithic child: the staged stream's
+tokens and the final chunk's ``generated_ids`` must both equal them. A mismatch aborts the
+run with exit status 1, after every process it started is stopped.
+
+Diagnostics (no targets), to say where the staged overhead comes from:
+
+* inference_mode A/B: the stages run the model without ``torch.inference_mode()``
+  (``generate()`` runs with it), so the child runs each input both ways, in alternating
+  order, and the paired ratios give the reference's e2e as the stages run the model.
+* the decode stage's own timings (from the final chunk), the envelope hop p50 of every
+  edge at concurrency 1 (``pipe.statistics()``), the CPU time of every process per request
+  (from /proc), and how busy the whole machine was (other tenants included).
+* two monolithic processes at once (full runs): the obvious alternative to staging on a
+  2-core box.
+* ``--decode-replicas N``: throughput again with N replicas of the decode stage (the
+  bottleneck), paired with monolithic trials taken in the same minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from pipeline import Pipeline, PipelineSpec  # noqa: E402
+from stages.payloads import DecodeChunk, VLMRequest  # noqa: E402
+from stages.samples import sample_requests  # noqa: E402
+
+CONFIG = ROOT / "configs" / "tiny-vlm.yaml"
+#: This file: the monolithic child runs it with ``--mono-child``.
+SELF = Path(__file__).resolve()
+#: How many distinct inputs are cycled (the shipped requests.jsonl holds this many).
+N_INPUTS = 12
+CONCURRENCY = 8
+
+# Targets (the brief for this benchmark).
+TARGET_OVERHEAD = 0.10
+TARGET_THROUGHPUT_RATIO = 1.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """Counts and time bounds of every phase; ``--quick`` scales them down."""
+
+    trials: int = 5
+    #: Sequential requests per latency trial (each side).
+    latency_n: int = 24
+    #: Requests per throughput trial (each side; the staged side spreads them over 8 tasks).
+    throughput_n: int = 48
+    #: Inputs per trial of the inference_mode A/B diagnostic (each runs twice).
+    ab_n: int = 12
+    #: Whether to run the two-process monolithic diagnostic.
+    mono2: bool = True
+    #: Trials of each diagnostic (two monolithic processes; decode replicas).
+    diag_trials: int = 3
+    #: Warm-up requests on each side before the trials.
+    warmup_n: int = 24
+    #: Wall-clock cap of one trial's loop, in seconds (the counts above usually end it).
+    trial_budget_s: float = 6.0
+    #: Deadline of any single blocking step (a request, a reply, a start-up), in seconds.
+    step_timeout_s: float = 60.0
+
+
+FULL = Config()
+QUICK = Config(
+    trials=3, latency_n=12, throughput_n=24, ab_n=6, mono2=False, diag_trials=1, warmup_n=12
+)
+
+
+class OutputMismatch(RuntimeError):
+    """The staged pipeline (or a monolithic run) produced other tokens than the reference."""
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+_T0 = time.perf_counter()
+#: When each phase started, in seconds since the run began (goes into --json).
+PHASES: dict[str, float] = {}
+
+
+def _log(msg: str) -> None:
+    """Note the start of a phase on stderr (stdout is kept for the report)."""
+    now = time.perf_counter() - _T0
+    PHASES[msg] = round(now, 2)
+    print(f"[vlm +{now:5.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU of a process, from /proc (0.0 where unavailable)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---- the monolithic child -------------------------------------------------------------------
+
+
+def mono_child() -> int:
+    """The monolithic reference server: JSON commands on stdin, JSON replies on stdout.
+
+    Exits when stdin closes (so also when the parent dies).
+    """
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)
+    from stages.model import GreedyDecoding, generate
+    from stages.preprocess import prepare
+    from stages.weights import load_model
+
+    t_import = time.perf_counter()
+    model = load_model()
+    requests = sample_requests(N_INPUTS)
+    params = Pipeline.from_yaml(CONFIG).spec.stages["decode"].params
+    max_new = int(params["max_new_tokens"])
+    t_ready = time.perf_counter()
+    out = sys.stdout
+
+    def reply(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    reply({"ready": True, "stage_imports_s": t_import - t0, "load_s": t_ready - t_import})
+
+    def timed(request: VLMRequest, inference_mode: bool) -> dict[str, Any]:
+        """``prepare`` + ``generate()``'s body with timestamps between the steps.
+
+        ``generate()`` runs under ``torch.inference_mode()``; the stages do not (they only
+        turn gradients off), so ``inference_mode=False`` runs the same code as they do.
+        """
+        with torch.inference_mode(inference_mode):
+            return _timed(request)
+
+    def _timed(request: VLMRequest) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        pixels, ids = prepare(request)
+        t_prep = time.perf_counter()
+        image = model.vision(pixels)
+        t_enc = time.perf_counter()
+        layers = list(model.decoder.prefill(image, ids))
+        t_pre = time.perf_counter()
+        first = layers[-1].first_token
+        assert first is not None
+        tokens: list[int] = []
+        t_first = t_pre
+        for token in GreedyDecoding(model.decoder, first, [x.kv for x in layers], max_new):
+            if not tokens:
+                t_first = time.perf_counter()
+            tokens.append(token)
+        t_end = time.perf_counter()
+        return {
+            "ttft_ms": (t_first - t0) * 1e3,
+            "e2e_ms": (t_end - t0) * 1e3,
+            "prepare_ms": (t_prep - t0) * 1e3,
+            "encode_ms": (t_enc - t_prep) * 1e3,
+            "prefill_ms": (t_pre - t_enc) * 1e3,
+            "decode_ms": (t_end - t_pre) * 1e3,
+            "tokens": tokens,
+        }
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "quit":
+            break
+        n, budget = int(cmd.get("n", 0)), float(cmd.get("budget_s", 0.0))
+        cpu0 = time.process_time()
+        if op == "ref":
+            tokens = []
+            for r in requests:
+                pixels, ids = prepare(r)
+                tokens.append(generate(model, pixels, ids, max_new))
+            reply({"tokens": tokens})
+        elif op == "latency":
+            samples = []
+            deadline = time.monotonic() + budget
+            for i in range(n):
+                samples.append({"i": i % N_INPUTS, **timed(requests[i % N_INPUTS], True)})
+                if time.monotonic() > deadline:
+                    break
+            reply({"samples": samples, "cpu_s": time.process_time() - cpu0})
+        elif op == "inference_mode_ab":
+            # Each input twice, with and without inference_mode, in alternating order:
+            # paired ratios are robust to the machine's drift.
+            pairs = []
+            deadline = time.monotonic() + budget
+            for i in range(n):
+                r = requests[i % N_INPUTS]
+                first = i % 2 == 0
+                a = timed(r, first)
+                b = timed(r, not first)
+                on, off = (a, b) if first else (b, a)
+                pairs.append({"i": i % N_INPUTS, "on": on, "off": off})
+                if time.monotonic() > deadline:
+                    break
+            reply({"pairs": pairs})
+        elif op == "throughput":
+            outs = []
+            deadline = time.monotonic() + budget
+            t0 = time.perf_counter()
+            for i in range(n):
+                pixels, ids = prepare(requests[i % N_INPUTS])
+                outs.append(generate(model, pixels, ids, max_new))
+                if time.monotonic() > deadline:
+                    break
+            elapsed = time.perf_counter() - t0
+            reply({"tokens": outs, "elapsed_s": elapsed, "cpu_s": time.process_time() - cpu0})
+        else:
+            reply({"error": f"unknown op {op!r}"})
+    return 0
+
+
+class Mono:
+    """A handle on one monolithic child process."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, startup_s: float, hello: dict[str, Any]):
+        self.proc = proc
+        self.startup_s = startup_s
+        self.hello = hello
+
+    @classmethod
+    async def start(cls, timeout: float) -> Mono:
+        t0 = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(SELF),
+            "--mono-child",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            cwd=ROOT,
+        )
+        self = cls(proc, 0.0, {})
+        try:
+            self.hello = await self.read(timeout)
+        except BaseException:
+            await self.close()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    async def read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not line:
+            raise RuntimeError(f"the monolithic child exited (code {await self.proc.wait()})")
+        msg: dict[str, Any] = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(f"the monolithic child: {msg['error']}")
+        return msg
+
+    async def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        await self.proc.stdin.drain()
+
+    async def call(self, timeout: float, **cmd: Any) -> dict[str, Any]:
+        await self.send(**cmd)
+        return await self.read(timeout)
+
+    async def close(self) -> None:
+        """Ask it to quit (EOF on stdin), then terminate, then kill; reaps it."""
+        proc = self.proc
+        if proc.returncode is None and proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        for sig, wait in ((None, 3.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            if proc.returncode is not None:
+                break
+            if sig is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), wait)
+
+
+# ---- checks ---------------------------------------------------------------------------------
+
+
+class Checker:
+    """Compares every measured request's tokens with the reference; raises on a mismatch."""
+
+    def __init__(self, reference: list[list[int]]) -> None:
+        self.reference = reference
+        self.checked = {"staged": 0, "mono": 0}
+
+    def check(
+        self, side: str, i: int, tokens: list[int], what: str = "tokens", *, count: bool = True
+    ) -> None:
+        want = self.reference[i % N_INPUTS]
+        if tokens != want:
+            raise OutputMismatch(
+                f"{side} {what} for input {i % N_INPUTS} differ from the reference:\n"
+                f"  got  {tokens}\n  want {want}"
+            )
+        if count:
+            self.checked[side] += 1
+
+
+# ---- the monolithic side --------------------------------------------------------------------
+
+
+async def mono_latency(
+    cfg: Config, mono: Mono, checker: Checker, *, n: int | None = None
+) -> dict[str, Any]:
+    """Sequential requests in the child; TTFT, e2e and the time of each model step."""
+    r = await mono.call(
+        cfg.step_timeout_s,
+        op="latency",
+        n=cfg.latency_n if n is None else n,
+        budget_s=cfg.trial_budget_s,
+    )
+    for s in r["samples"]:
+        checker.check("mono", s["i"], s.pop("tokens"))
+    samples = r["samples"]
+    return {
+        "n": len(samples),
+        "ttft_p50_ms": _median([s["ttft_ms"] for s in samples]),
+        "e2e_p50_ms": _median([s["e2e_ms"] for s in samples]),
+        "e2e_ms": [s["e2e_ms"] for s in samples],
+        "steps_p50_ms": {
+            k: _median([s[k] for s in samples])
+            for k in ("prepare_ms", "encode_ms", "prefill_ms", "decode_ms")
+        },
+        "cpu_ms_per_request": r["cpu_s"] / len(samples) * 1e3,
+    }
+
+
+async def mono_inference_mode_ab(cfg: Config, mono: Mono, checker: Checker) -> dict[str, Any]:
+    """Diagnostic: how much slower the reference runs without inference_mode, as stages do."""
+    r = await mono.call(
+        cfg.step_timeout_s,
+        op="inference_mode_ab",
+        n=cfg.ab_n,
+        budget_s=cfg.trial_budget_s,
+    )
+    out: dict[str, list[float]] = {"e2e_ratio": [], "decode_ratio": [], "front_ratio": []}
+    for p in r["pairs"]:
+        on, off = p["on"], p["off"]
+        checker.check("mono", p["i"], on.pop("tokens"), count=False)
+        checker.check("mono", p["i"], off.pop("tokens"), "tokens without inference_mode")
+        out["e2e_ratio"].append(off["e2e_ms"] / on["e2e_ms"])
+        out["decode_ratio"].append(off["decode_ms"] / on["decode_ms"])
+        front_on = on["e2e_ms"] - on["decode_ms"]
+        out["front_ratio"].append((off["e2e_ms"] - off["decode_ms"]) / front_on)
+    return out
+
+
+async def mono_throughput(cfg: Config, monos: list[Mono], checker: Checker) -> dict[str, Any]:
+    """Every child runs the same back-to-back loop at once; rate = total done / longest loop."""
+    for m in monos:
+        await m.send(op="throughput", n=cfg.throughput_n, budget_s=cfg.trial_budget_s)
+    replies = [await m.read(cfg.step_timeout_s) for m in monos]
+    done = 0
+    for r in replies:
+        for i, tokens in enumerate(r["tokens"]):
+            checker.check("mono", i, tokens)
+        done += len(r["tokens"])
+    elapsed = max(r["elapsed_s"] for r in replies)
+    return {
+        "processes": len(monos),
+        "done": done,
+        "elapsed_s": elapsed,
+        "req_per_s": done / elapsed,
+        "cpu_ms_per_request": sum(r["cpu_s"] for r in replies) / done * 1e3,
+    }
+
+
+# ---- the staged side ------------------------------------------------------------------------
+
+
+class CpuMeter:
+    """CPU seconds of each worker (by stage) and of this (master + client) process."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.pids = {
+            stage if k == 0 else f"{stage}#{k}": pid for (stage, k), pid in pipe.worker_pids.items()
+        }
+        self._start = self._sample()
+
+    def _sample(self) -> dict[str, float]:
+        cpu = {stage: _cpu_seconds(pid) for stage, pid in self.pids.items()}
+        cpu["master+client"] = time.process_time()
+        return cpu
+
+    def per_request_ms(self, n: int) -> dict[str, float]:
+        end = self._sample()
+        return {k: (end[k] - self._start[k]) / max(n, 1) * 1e3 for k in end}
+
+
+async def _one_stream(pipe: Pipeline, i: int, request: VLMRequest) -> dict[str, Any]:
+    """One request through ``pipe.stream``: TTFT, e2e, and its tokens checked later."""
+    t0 = time.perf_counter()
+    t_first = t_final = None
+    streamed: list[int] = []
+    final: DecodeChunk | None = None
+    async for chunk in pipe.stream(request):
+        if not isinstance(chunk, DecodeChunk):
+            raise RuntimeError(f"decode streamed {chunk!r}")
+        if chunk.token_ids and t_first is None:
+            t_first = time.perf_counter()
+        streamed.extend(chunk.token_ids)
+        if chunk.done:
+            t_final = time.perf_counter()
+            final = chunk
+    t_end = time.perf_counter()
+    if final is None or t_final is None:
+        raise RuntimeError(f"the stream of input {i} ended without a final chunk")
+    return {
+        "i": i,
+        # A request whose first greedy token is EOS has no tokens at all: TTFT = e2e then.
+        "ttft_ms": ((t_first or t_final) - t0) * 1e3,
+        "e2e_ms": (t_end - t0) * 1e3,
+        "final_chunk_ms": (t_final - t0) * 1e3,
+        "timings": final.timings,
+        "streamed": streamed,
+        "generated_ids": final.generated_ids,
+    }
+
+
+async def staged_latency(
+    cfg: Config, pipe: Pipeline, requests: list[VLMRequest], checker: Checker
+) -> dict[str, Any]:
+    """Sequential streamed requests: TTFT, e2e, the decode stage's timings, CPU per process."""
+    samples = []
+    meter = CpuMeter(pipe)
+    deadline = time.monotonic() + cfg.trial_budget_s
+    for i in range(cfg.latency_n):
+        idx = i % N_INPUTS
+        s = await asyncio.wait_for(_one_stream(pipe, idx, requests[idx]), cfg.step_timeout_s)
+        checker.check("staged", idx, s.pop("streamed"), "streamed tokens", count=False)
+        checker.check("staged", idx, s.pop("generated_ids"), "final generated_ids")
+        samples.append(s)
+        if time.monotonic() > deadline:
+            break
+    cpu = meter.per_request_ms(len(samples))
+    return {
+        "n": len(samples),
+        "ttft_p50_ms": _median([s["ttft_ms"] for s in samples]),
+        "e2e_p50_ms": _median([s["e2e_ms"] for s in samples]),
+        "final_chunk_p50_ms": _median([s["final_chunk_ms"] for s in samples]),
+        "e2e_ms": [s["e2e_ms"] for s in samples],
+        "decode_timings_p50_ms": {
+            k: _median([s["timings"][k] for s in samples])
+            for k in ("kv_receive_ms", "first_token_ms", "decode_ms")
+        },
+        "cpu_ms_per_request": cpu,
+    }
+
+
+async def staged_throughput(
+    cfg: Config, pipe: Pipeline, requests: list[VLMRequest], checker: Checker
+) -> dict[str, Any]:
+    """8 client tasks, each submitting back to back from a shared count until the deadline."""
+    next_index = 0
+    latencies: list[float] = []
+    deadline = time.monotonic() + cfg.trial_budget_s
+
+    async def client() -> None:
+        nonlocal next_index
+        while next_index < cfg.throughput_n and time.monotonic() < deadline:
+            i = next_index
+            next_index += 1
+            idx = i % N_INPUTS
+            t0 = time.perf_counter()
+            final = await asyncio.wait_for(pipe.submit(requests[idx]), cfg.step_timeout_s)
+            latencies.append((time.perf_counter() - t0) * 1e3)
+            if not isinstance(final, DecodeChunk) or not final.done:
+                raise RuntimeError(f"input {idx}: the pipeline returned {final!r}")
+            checker.check("staged", idx, final.generated_ids)
+
+    meter = CpuMeter(pipe)
+    t0 = time.perf_counter()
+    tasks = [asyncio.ensure_future(client()) for _ in range(CONCURRENCY)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        # On a failure (a mismatch, a timeout), stop the other clients before unwinding.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    elapsed = time.perf_counter() - t0
+    done = len(latencies)
+    cpu = meter.per_request_ms(done)
+    return {
+        "done": done,
+        "elapsed_s": elapsed,
+        "req_per_s": done / elapsed,
+        "latency_p50_ms": _median(latencies),
+        "cpu_ms_per_request": cpu,
+    }
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+def _summarise_cpu(trials: list[dict[str, float]]) -> dict[str, float]:
+    keys = trials[0].keys()
+    out = {k: _median([t[k] for t in trials]) for k in keys}
+    out["total"] = sum(out.values())
+    return out
+
+
+class MachineMeter:
+    """How busy the whole machine was over a span, and how much of that was this run's.
+
+    Other tenants' load matters on a 2-core box: a process of theirs that keeps one core
+    busy leaves the 4 workers and the client one core between them.
+    """
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self._start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        with open("/proc/stat", encoding="ascii") as f:
+            cpu = [int(x) for x in f.readline().split()[1:]]
+        tick = os.sysconf("SC_CLK_TCK")
+        idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)
+        ours = time.process_time() + sum(_cpu_seconds(p) for p in self.pids)
+        return (sum(cpu) - idle) / tick, ours, time.monotonic()
+
+    def stop(self) -> dict[str, float]:
+        busy, ours, now = self._sample()
+        wall = now - self._start[2]
+        busy, ours = busy - self._start[0], ours - self._start[1]
+        return {
+            "wall_s": wall,
+            "busy_cores": busy / wall,
+            "this_run_cores": ours / wall,
+            "other_cores": max(0.0, busy - ours) / wall,
+            "loadavg_1m_end": os.getloadavg()[0],
+        }
+
+
+def _hops(stats: dict[str, Any]) -> dict[str, float]:
+    """Envelope hop p50 per edge (µs, envelope sent -> received), replicas and client."""
+    out = {}
+    for r in [*stats["replicas"], stats["client"]]:
+        for i in r["inputs"]:
+            out[i["edge"]] = i["hop_p50_us"]
+    return out
+
+
+def _replicated_spec(decode_replicas: int) -> PipelineSpec:
+    """configs/tiny-vlm.yaml with ``decode_replicas`` replicas of the decode stage."""
+    data: dict[str, Any] = PipelineSpec.from_yaml(CONFIG).to_dict()
+    data["stages"]["decode"]["replicas"] = decode_replicas
+    return PipelineSpec.from_dict(data)
+
+
+async def _staged_trials(
+    cfg: Config, pipe: Pipeline, mono: Mono, requests: list[VLMRequest], checker: Checker
+) -> dict[str, list[dict[str, Any]]]:
+    """The interleaved trials: latency, the A/B diagnostic, then throughput, each round."""
+    trials: dict[str, list[dict[str, Any]]] = {
+        "mono_latency": [],
+        "staged_latency": [],
+        "mono_inference_mode_ab": [],
+        "mono_throughput": [],
+        "staged_throughput": [],
+    }
+    for t in range(cfg.trials):
+        _log(f"trial {t + 1}/{cfg.trials}: latency (conc 1), mono then staged")
+        trials["mono_latency"].append(await mono_latency(cfg, mono, checker))
+        trials["staged_latency"].append(await staged_latency(cfg, pipe, requests, checker))
+        if cfg.ab_n:
+            trials["mono_inference_mode_ab"].append(
+                await mono_inference_mode_ab(cfg, mono, checker)
+            )
+        _log(f"trial {t + 1}/{cfg.trials}: throughput (conc {CONCURRENCY})")
+        trials["mono_throughput"].append(await mono_throughput(cfg, [mono], checker))
+        trials["staged_throughput"].append(await staged_throughput(cfg, pipe, requests, checker))
+    return trials
+
+
+async def run(cfg: Config, decode_replicas: int) -> dict[str, Any]:
+    """Start the monolithic children and the pipeline, then interleave their trials."""
+    requests = sample_requests(N_INPUTS)
+    timeout = cfg.step_timeout_s
+    out: dict[str, Any] = {"loadavg_start": os.getloadavg()}
+    async with contextlib.AsyncExitStack() as stack:
+        _log("monolithic child: start-up")
+        mono = await Mono.start(timeout)
+        stack.push_async_callback(mono.close)
+        out["mono_startup_s"] = mono.startup_s
+        out["mono_startup_detail"] = mono.hello
+        _log("monolithic child: reference tokens (generate)")
+        reference = (await mono.call(timeout, op="ref"))["tokens"]
+        checker = Checker(reference)
+        out["reference_lengths"] = [len(t) for t in reference]
+
+        _log("staged pipeline: start-up")
+        t0 = time.perf_counter()
+        async with Pipeline.from_yaml(CONFIG) as pipe:
+            out["staged_startup_s"] = time.perf_counter() - t0
+            out["workers"] = {stage: pid for (stage, _k), pid in pipe.worker_pids.items()}
+            # The second monolithic child (for the two-process diagnostic only) starts
+            # during the warm-up, which measures nothing, and then idles on its stdin.
+            _log("warm-up, both sides" + (" (and a second monolithic child)" if cfg.mono2 else ""))
+            second_start = asyncio.ensure_future(Mono.start(timeout)) if cfg.mono2 else None
+
+            async def _reap() -> None:
+                assert second_start is not None
+                if not second_start.done():
+                    second_start.cancel()
+                with contextlib.suppress(BaseException):
+                    await (await second_start).close()
+
+            if second_start is not None:
+                stack.push_async_callback(_reap)
+            for i in range(cfg.warmup_n):
+                final = await asyncio.wait_for(pipe.submit(requests[i % N_INPUTS]), timeout)
+                checker.check("staged", i, final.generated_ids, "warm-up tokens", count=False)
+            await mono_latency(cfg, mono, checker, n=cfg.warmup_n)
+            second = None
+            if second_start is not None:
+                second = await asyncio.wait_for(second_start, timeout)
+                await mono_latency(cfg, second, checker, n=cfg.warmup_n)
+            # Only sequential requests so far: the envelope hops of an unloaded pipeline.
+            out["envelope_hop_p50_us_conc1"] = _hops(await pipe.statistics())
+            ours = [mono.proc.pid, *out["workers"].values()]
+            machine = MachineMeter(ours + ([second.proc.pid] if second is not None else []))
+            out["trials"] = await _staged_trials(cfg, pipe, mono, requests, checker)
+            out["machine_during_trials"] = machine.stop()
+            _log("staged pipeline: shutdown")
+            t0 = time.perf_counter()
+        out["staged_shutdown_s"] = time.perf_counter() - t0
+
+        if second is not None:
+            _log("diagnostic: two monolithic processes at once")
+            out["mono2_throughput"] = [
+                await mono_throughput(cfg, [mono, second], checker) for _ in range(cfg.diag_trials)
+            ]
+        if decode_replicas > 1:
+            _log(f"diagnostic: staged with {decode_replicas} decode replicas: start-up")
+            t0 = time.perf_counter()
+            async with Pipeline(_replicated_spec(decode_replicas)) as pipe:
+                rep: dict[str, Any] = {
+                    "decode_replicas": decode_replicas,
+                    "startup_s": time.perf_counter() - t0,
+                    "mono": [],
+                    "staged": [],
+                }
+                for i in range(cfg.warmup_n):
+                    await asyncio.wait_for(pipe.submit(requests[i % N_INPUTS]), timeout)
+                for t in range(cfg.diag_trials):
+                    _log(f"diagnostic: decode replicas, throughput trial {t + 1}")
+                    rep["mono"].append(await mono_throughput(cfg, [mono], checker))
+                    rep["staged"].append(await staged_throughput(cfg, pipe, requests, checker))
+                out["replicated"] = rep
+    out["checked"] = checker.checked
+    return out
+
+
+def summarise(raw: dict[str, Any]) -> dict[str, Any]:
+    """Medians over trials of everything the table and the notes need."""
+    tr = raw["trials"]
+
+    def med(name: str, key: str) -> float:
+        return _median([t[key] for t in tr[name]])
+
+    mono_e2e = med("mono_latency", "e2e_p50_ms")
+    staged_e2e = med("staged_latency", "e2e_p50_ms")
+    # Same input order on both sides, so request k of a staged trial pairs with request k
+    # of the mono trial before it: the median of the paired relative differences.
+    paired = []
+    for m, s in zip(tr["mono_latency"], tr["staged_latency"], strict=True):
+        for a, b in zip(m["e2e_ms"], s["e2e_ms"], strict=False):
+            paired.append((b - a) / a)
+    s = {
+        "mono": {
+            "ttft_p50_ms": med("mono_latency", "ttft_p50_ms"),
+            "e2e_p50_ms": mono_e2e,
+            "req_per_s": med("mono_throughput", "req_per_s"),
+            "steps_p50_ms": {
+                k: _median([t["steps_p50_ms"][k] for t in tr["mono_latency"]])
+                for k in tr["mono_latency"][0]["steps_p50_ms"]
+            },
+            "cpu_ms_per_request_conc1": med("mono_latency", "cpu_ms_per_request"),
+            "cpu_ms_per_request_tput": med("mono_throughput", "cpu_ms_per_request"),
+            "startup_s": raw["mono_startup_s"],
+        },
+        "staged": {
+            "ttft_p50_ms": med("staged_latency", "ttft_p50_ms"),
+            "e2e_p50_ms": staged_e2e,
+            "final_chunk_p50_ms": med("staged_latency", "final_chunk_p50_ms"),
+            "req_per_s": med("staged_throughput", "req_per_s"),
+            "latency_p50_ms_conc8": med("staged_throughput", "latency_p50_ms"),
+            "decode_timings_p50_ms": {
+                k: _median([t["decode_timings_p50_ms"][k] for t in tr["staged_latency"]])
+                for k in tr["staged_latency"][0]["decode_timings_p50_ms"]
+            },
+            "cpu_ms_per_request_conc1": _summarise_cpu(
+                [t["cpu_ms_per_request"] for t in tr["staged_latency"]]
+            ),
+            "cpu_ms_per_request_conc8": _summarise_cpu(
+                [t["cpu_ms_per_request"] for t in tr["staged_throughput"]]
+            ),
+            "startup_s": raw["staged_startup_s"],
+        },
+        "overhead_conc1": (staged_e2e - mono_e2e) / mono_e2e,
+        "overhead_conc1_paired_median": _median(paired),
+        "trial_overheads": [
+            (s["e2e_p50_ms"] - m["e2e_p50_ms"]) / m["e2e_p50_ms"]
+            for m, s in zip(tr["mono_latency"], tr["staged_latency"], strict=True)
+        ],
+        "trial_throughput_ratios": [
+            s["req_per_s"] / m["req_per_s"]
+            for m, s in zip(tr["mono_throughput"], tr["staged_throughput"], strict=True)
+        ],
+    }
+    ab = tr["mono_inference_mode_ab"]
+    if ab:
+        ratios = {k: _median([x for t in ab for x in t[k]]) for k in ab[0]}
+        noim = mono_e2e * ratios["e2e_ratio"]
+        s["inference_mode_ab"] = {**ratios, "pairs": sum(len(t["e2e_ratio"]) for t in ab)}
+        s["mono"]["e2e_p50_ms_no_inference_mode"] = noim
+        s["overhead_conc1_vs_no_inference_mode"] = (staged_e2e - noim) / noim
+    s["throughput_ratio"] = s["staged"]["req_per_s"] / s["mono"]["req_per_s"]
+    s["ttft_ratio"] = s["staged"]["ttft_p50_ms"] / s["mono"]["ttft_p50_ms"]
+    s["startup_ratio"] = s["staged"]["startup_s"] / s["mono"]["startup_s"]
+    if raw.get("replicated"):
+        rep = raw["replicated"]
+        s["replicated"] = {
+            "decode_replicas": rep["decode_replicas"],
+            "startup_s": rep["startup_s"],
+            "staged_req_per_s": _median([t["req_per_s"] for t in rep["staged"]]),
+            "mono_req_per_s": _median([t["req_per_s"] for t in rep["mono"]]),
+            "ratio": _median(
+                [
+                    st["req_per_s"] / mo["req_per_s"]
+                    for mo, st in zip(rep["mono"], rep["staged"], strict=True)
+                ]
+            ),
+        }
+    if raw.get("mono2_throughput"):
+        s["mono2_req_per_s"] = _median([t["req_per_s"] for t in raw["mono2_throughput"]])
+    return s
+
+
+def build_rows(raw: dict[str, Any], s: dict[str, Any]) -> list[list[str]]:
+    """The markdown table: metric, staged, monolithic, ratio, target, status."""
+    rows: list[list[str]] = []
+    mono, staged = s["mono"], s["staged"]
+
+    def row(
+        metric: str, sw: str, base: str, ratio: str, target: str, ok: bool | None = None
+    ) -> None:
+        status = "info" if ok is None else ("met" if ok else "**missed**")
+        rows.append([metric, sw, base, ratio, target, status])
+
+    row(
+        "TTFT p50, conc 1",
+        f"{staged['ttft_p50_ms']:.2f} ms",
+        f"{mono['ttft_p50_ms']:.2f} ms",
+        f"{s['ttft_ratio']:.2f}x",
+        "report",
+    )
+    row(
+        "e2e latency p50, conc 1",
+        f"{staged['e2e_p50_ms']:.2f} ms",
+        f"{mono['e2e_p50_ms']:.2f} ms",
+        f"{staged['e2e_p50_ms'] / mono['e2e_p50_ms']:.3f}x",
+        "report",
+    )
+    ov = s["overhead_conc1"]
+    row(
+        "staged overhead at conc 1, (staged - mono) / mono e2e p50",
+        f"{ov * 100:+.1f}%",
+        "0%",
+        f"{1 + ov:.3f}x",
+        f"< {TARGET_OVERHEAD:.0%}",
+        ov < TARGET_OVERHEAD,
+    )
+    row(
+        "staged overhead at conc 1, median of paired requests",
+        f"{s['overhead_conc1_paired_median'] * 100:+.1f}%",
+        "0%",
+        f"{1 + s['overhead_conc1_paired_median']:.3f}x",
+        "-",
+    )
+    tr = s["throughput_ratio"]
+    row(
+        f"throughput, conc {CONCURRENCY} (req/s)",
+        f"{staged['req_per_s']:.1f}/s",
+        f"{mono['req_per_s']:.1f}/s (1 process, back to back)",
+        f"{tr:.2f}x",
+        f"≥ {TARGET_THROUGHPUT_RATIO:.1f}x",
+        tr >= TARGET_THROUGHPUT_RATIO,
+    )
+    if "inference_mode_ab" in s:
+        noim = mono["e2e_p50_ms_no_inference_mode"]
+        ov2 = s["overhead_conc1_vs_no_inference_mode"]
+        row(
+            "staged overhead at conc 1 vs mono run as the stages run it: no inference_mode "
+            "(diagnostic)",
+            f"{ov2 * 100:+.1f}%",
+            f"e2e p50 {noim:.2f} ms (estimated)",
+            f"{1 + ov2:.3f}x",
+            "-",
+        )
+    if "mono2_req_per_s" in s:
+        m2 = s["mono2_req_per_s"]
+        row(
+            f"throughput, conc {CONCURRENCY} (diagnostic)",
+            f"{staged['req_per_s']:.1f}/s",
+            f"{m2:.1f}/s (2 processes, one per core)",
+            f"{staged['req_per_s'] / m2:.2f}x",
+            "-",
+        )
+    if "replicated" in s:
+        rp = s["replicated"]
+        row(
+            f"throughput, conc {CONCURRENCY}, {rp['decode_replicas']} decode replicas (diagnostic)",
+            f"{rp['staged_req_per_s']:.1f}/s",
+            f"{rp['mono_req_per_s']:.1f}/s (1 process, same minutes)",
+            f"{rp['ratio']:.2f}x (median of paired trials)",
+            "-",
+        )
+    row(
+        "start-up to ready",
+        f"{staged['startup_s']:.2f} s (4 workers)",
+        f"{mono['startup_s']:.2f} s (1 process + model)",
+        f"{s['startup_ratio']:.2f}x",
+        "report",
+    )
+    checked = raw["checked"]
+    row(
+        "outputs identical to generate()",
+        f"{checked['staged']} requests equal",
+        f"{checked['mono']} requests equal",
+        "-",
+        "all equal",
+        True,  # a mismatch ends the run before the table
+    )
+    return rows
+
+
+def _fmt_ms(d: dict[str, float]) -> str:
+    return ", ".join(f"{k.removesuffix('_ms')} {v:.2f}" for k, v in d.items())
+
+
+def render(raw: dict[str, Any], s: dict[str, Any]) -> str:
+    """The markdown report: the table, then what a reader needs to judge it."""
+    lines = [
+        "| metric | staged | monolithic | ratio | target | status |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in build_rows(raw, s)]
+    mono, staged = s["mono"], s["staged"]
+    dt = staged["decode_timings_p50_ms"]
+    front = staged["e2e_p50_ms"] - dt["kv_receive_ms"] - dt["decode_ms"]
+    mono_front = sum(v for k, v in mono["steps_p50_ms"].items() if k != "decode_ms")
+    cfg = raw["config"]
+    m = raw["machine_during_trials"]
+    lines += [
+        "",
+        f"- machine: {raw['machine']['cpus']} CPUs, Python {raw['machine']['python']}, "
+        f"torch {raw['machine']['torch']}; medians of {cfg['trials']} trials; inputs: the "
+        f"{N_INPUTS} shipped sample requests, cycled (reference lengths "
+        f"{raw['reference_lengths']} tokens)",
+        "- per-trial overhead at conc 1: "
+        + ", ".join(f"{x * 100:+.1f}%" for x in s["trial_overheads"])
+        + "; per-trial throughput ratio: "
+        + ", ".join(f"{x:.2f}x" for x in s["trial_throughput_ratios"]),
+        f"- monolithic steps p50 (ms): {_fmt_ms(mono['steps_p50_ms'])}",
+        f"- decode stage's own timings p50 (ms): {_fmt_ms(dt)}; so e2e minus decode's "
+        f"time = {front:.2f} ms (client→preprocess→encode→prefill→decode, plus the tail "
+        f"back to the client) against {mono_front:.2f} ms of prepare+encode+prefill in "
+        f"one process; staged decode loop {dt['decode_ms']:.2f} ms against mono "
+        f"{mono['steps_p50_ms']['decode_ms']:.2f} ms",
+        f"- staged shutdown {raw['staged_shutdown_s']:.2f} s; "
+        f"staged final chunk p50 {staged['final_chunk_p50_ms']:.2f} ms, stream end p50 "
+        f"{staged['e2e_p50_ms']:.2f} ms; staged request latency at conc {CONCURRENCY} p50 "
+        f"{staged['latency_p50_ms_conc8']:.1f} ms",
+        _fmt_ab(s),
+        "- envelope hop p50 by edge, conc 1 (µs): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in raw["envelope_hop_p50_us_conc1"].items()),
+        f"- machine during the trials: {m['busy_cores']:.2f} of {raw['machine']['cpus']} "
+        f"cores busy on average, {m['this_run_cores']:.2f} of them this run's processes and "
+        f"{m['other_cores']:.2f} other tenants'; load average {raw['loadavg_start'][0]:.2f} "
+        f"at the start, {m['loadavg_1m_end']:.2f} at the end of the trials",
+        "- CPU ms per request, staged conc 1: "
+        + _fmt_cpu(staged["cpu_ms_per_request_conc1"])
+        + f"; mono {mono['cpu_ms_per_request_conc1']:.1f}",
+        f"- CPU ms per request, staged conc {CONCURRENCY}: "
+        + _fmt_cpu(staged["cpu_ms_per_request_conc8"])
+        + f"; mono {mono['cpu_ms_per_request_tput']:.1f}",
+    ]
+    return "\n".join(lines)
+
+
+def _fmt_ab(s: dict[str, Any]) -> str:
+    ab = s.get("inference_mode_ab")
+    if not ab:
+        return "- inference_mode A/B: not run"
+    return (
+        "- the reference without torch.inference_mode (the stages run without it), paired "
+        f"with it over {ab['pairs']} inputs, median ratios: e2e {ab['e2e_ratio']:.3f}x, "
+        f"decode loop {ab['decode_ratio']:.3f}x, prepare+encode+prefill "
+        f"{ab['front_ratio']:.3f}x; the estimated reference e2e without it is mono e2e p50 x "
+        "the e2e ratio"
+    )
+
+
+def _fmt_cpu(d: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in d.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every phase, print the markdown table, optionally write the raw numbers."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer, shorter trials (~30 s)")
+    p.add_argument("--json", metavar="OUT", help="write the raw numbers to this file")
+    p.add_argument(
+        "--decode-replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure throughput with N decode replicas (a diagnostic; adds ~25 s)",
+    )
+    p.add_argument("--mono-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.mono_child:
+        return mono_child()
+    # SIGTERM unwinds like Ctrl-C, so every finally block stops what this run started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    torch.set_num_threads(1)
+    cfg = QUICK if args.quick else FULL
+    json_out = os.path.abspath(args.json) if args.json else None
+    os.chdir(ROOT)  # workers resolve "stages.*" from the working directory
+    t_start = time.perf_counter()
+    try:
+        raw = asyncio.run(run(cfg, args.decode_replicas))
+    except OutputMismatch as e:
+        print(f"OUTPUT MISMATCH: {e}", file=sys.stderr, flush=True)
+        return 1
+    raw["config"] = {**asdict(cfg), "quick": args.quick, "concurrency": CONCURRENCY}
+    raw["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+    summary = summarise(raw)
+    raw["summary"] = summary
+    raw["elapsed_s"] = time.perf_counter() - t_start
+    raw["phase_start_s"] = PHASES
+    print(render(raw, summary))
+    print(f"\n(total {raw['elapsed_s']:.0f} s)")
+    if json_out:
+        with open(json_out, "w", encoding="utf-8") as f:
+            json.dump(raw, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
