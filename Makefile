@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check pipeline transports stages tests benchmarks
-	$(BIN)/ruff format --check pipeline transports stages tests benchmarks
+	$(BIN)/ruff check pipeline transports stages tests benchmarks examples
+	$(BIN)/ruff format --check pipeline transports stages tests benchmarks examples
 	$(BIN)/mypy
 
 test: lint

@@ -34,7 +34,7 @@ class VLMRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     Attributes:
         prompt: the prompt text (UTF-8; tokenised as bytes).
-        image: an encoded image (PNG; JPEG needs Pillow, which is not installed).
+        image: an encoded image, PNG or JPEG bytes.
         pixels: raw pixels, a ``uint8`` tensor of shape ``(height, width, 3)``.
     """
 

@@ -1,46 +1,133 @@
 """The ``preprocess`` stage: a request's image to encoder pixels, its prompt to token ids.
 
-The image arrives as PNG bytes or as raw ``uint8`` pixels ``(height, width, 3)``. It is
-resized with ``torch.nn.functional.interpolate`` (bilinear, antialiased) to the encoder's
-square input and normalised to ``[-1, 1]``. Everything that can be wrong with a request is
-found here, before any model runs, and raised as :class:`InvalidRequest` with a message
-that says what was wrong; the runtime turns it into a ``StageError`` for that request only.
+The image arrives as PNG or JPEG bytes, decoded with Pillow, or as raw ``uint8`` pixels
+``(height, width, 3)``. Decoded images are turned upright by their EXIF orientation and
+converted to RGB (grey is repeated, a palette is expanded, and transparency is composited
+onto white). Either way the pixels are resized with ``torch.nn.functional.interpolate``
+(bilinear, antialiased) to the encoder's square input and normalised to ``[-1, 1]``.
+
+Everything that can be wrong with a request is found here, before any model runs, and
+raised as :class:`InvalidRequest` with a message that says what was wrong; the runtime turns
+it into a ``StageError`` for that request only. That includes bytes in another format,
+corrupt or truncated files, and images larger than :data:`MAX_PIXELS_SIDE` a side, which
+are refused from their header, before any pixel memory is allocated.
 """
 
 from __future__ import annotations
 
+import io
+import struct
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
 import torch
 import torch.nn.functional as F
+from numpy.typing import NDArray
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pipeline import Context, Stage
 from stages import tokenizer
 from stages.model import TINY_VLM, VLMConfig
 from stages.payloads import Pixels, PreprocessOut, PromptTokens, VLMRequest
-from stages.png import PNG_SIGNATURE, PngError, decode_png
 
-__all__ = ("MAX_PIXELS_SIDE", "InvalidRequest", "Preprocess", "prepare", "to_rgb")
+__all__ = ("IMAGE_FORMATS", "MAX_PIXELS_SIDE", "InvalidRequest", "Preprocess", "prepare", "to_rgb")
 
-#: Largest side of raw pixels accepted; larger images should be resized by the client.
+#: Largest side of an image accepted, decoded or raw; larger images should be resized by
+#: the client. It also bounds a decoded image to 16 Mpx, 48 MiB of RGB.
 MAX_PIXELS_SIDE = 4096
-_JPEG_SIGNATURE = b"\xff\xd8\xff"
+#: The encoded formats accepted; Pillow is told to try no others.
+IMAGE_FORMATS = ("PNG", "JPEG")
+_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+)
+#: What Pillow raises on malformed data, besides its own UnidentifiedImageError and
+#: DecompressionBombError: plugins raise SyntaxError and struct.error on bad headers,
+#: OSError on truncated or undecodable pixel data, and ValueError or EOFError on the rest.
+_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error)
 
 
 class InvalidRequest(ValueError):
     """A request cannot be processed; the message says why."""
 
 
-def _decode_image(data: bytes) -> torch.Tensor:
-    if data.startswith(PNG_SIGNATURE):
-        try:
-            return torch.from_numpy(decode_png(data))
-        except PngError as e:
-            raise InvalidRequest(f"corrupt or unsupported PNG image: {e}") from e
-    if data.startswith(_JPEG_SIGNATURE):
+def _kind(data: bytes) -> str | None:
+    """The format ``data`` claims by its first bytes, if it is one we can name."""
+    if data.startswith(b"RIFF") and data[8:12] == b"WEBP":
+        return "WebP"
+    return next((name for magic, name in _SIGNATURES if data.startswith(magic)), None)
+
+
+def _check_side(width: int, height: int, what: str) -> None:
+    if not (0 < width <= MAX_PIXELS_SIDE and 0 < height <= MAX_PIXELS_SIDE):
+        raise InvalidRequest(f"{what} {width}x{height}; each side must be 1 to {MAX_PIXELS_SIDE}")
+
+
+@contextmanager
+def _decoding(data: bytes) -> Iterator[None]:
+    """Translate Pillow's errors on ``data`` into :class:`InvalidRequest`."""
+    kind = _kind(data)
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns in open() about images over MAX_IMAGE_PIXELS (89 Mpx); each of
+            # them is far past MAX_PIXELS_SIDE, so the size check right after open() refuses
+            # it, with our message, before anything is allocated. The warning adds nothing.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            yield
+    except InvalidRequest:
+        raise
+    except UnidentifiedImageError as e:
+        if kind in IMAGE_FORMATS:
+            raise InvalidRequest(f"corrupt or truncated {kind} image: unreadable header") from e
+        what = f"a {kind}" if kind else f"{len(data)} bytes starting {data[:8]!r}"
         raise InvalidRequest(
-            "JPEG images are not supported (no JPEG decoder is installed); "
-            "send PNG bytes or raw pixels"
-        )
-    raise InvalidRequest(f"image is not a PNG ({len(data)} bytes starting {data[:8]!r})")
+            f"image is {what}, not a PNG or JPEG; send PNG or JPEG bytes, or raw pixels"
+        ) from e
+    except Image.DecompressionBombError as e:
+        # Over twice MAX_IMAGE_PIXELS Pillow refuses in open(), before our size check.
+        raise InvalidRequest(
+            f"image is too large to decode; each side must be 1 to {MAX_PIXELS_SIDE} ({e})"
+        ) from e
+    except _DECODE_ERRORS as e:
+        raise InvalidRequest(f"corrupt or truncated {kind} image: {e}") from e
+
+
+def _rgb_array(image: Image.Image) -> NDArray[np.uint8]:
+    """``image`` upright, as ``uint8`` RGB ``(height, width, 3)``."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16-bit grey PNGs: convert() would clip every value above 255, so scale them.
+        grey = (np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8)
+        return np.repeat(grey[..., None], 3, axis=2)
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        # Transparent pixels show the background, not whatever colour they happen to hold.
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba)
+    # np.array copies into a writable array, which torch.from_numpy needs.
+    return np.array(image.convert("RGB"))
+
+
+def _decode_image(data: bytes) -> torch.Tensor:
+    """Decode PNG or JPEG ``data`` to ``uint8`` RGB ``(height, width, 3)``."""
+    with _decoding(data):
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
+            # open() reads only the header: refuse a huge image before it is allocated.
+            _check_side(*image.size, what="image is")
+            if image.format != "PNG":
+                return torch.from_numpy(_rgb_array(image))
+            # load() skips the CRCs of PNG chunks, so a flipped bit in the pixel data could
+            # decode silently into other pixels; verify() checks every chunk's CRC.
+            image.verify()
+        # verify() leaves the image unusable, so decode from a fresh parse.
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
+            return torch.from_numpy(_rgb_array(image))
 
 
 def _check_pixels(pixels: torch.Tensor) -> torch.Tensor:
@@ -50,10 +137,7 @@ def _check_pixels(pixels: torch.Tensor) -> torch.Tensor:
             "pixels must be a uint8 tensor of shape (height, width, 3); "
             f"got {str(pixels.dtype).removeprefix('torch.')} of shape {shape}"
         )
-    if not (0 < shape[0] <= MAX_PIXELS_SIDE and 0 < shape[1] <= MAX_PIXELS_SIDE):
-        raise InvalidRequest(
-            f"pixels are {shape[1]}x{shape[0]}; each side must be 1 to {MAX_PIXELS_SIDE}"
-        )
+    _check_side(shape[1], shape[0], what="pixels are")
     return pixels
 
 
@@ -61,14 +145,15 @@ def to_rgb(request: VLMRequest) -> torch.Tensor:
     """The request's image as ``uint8`` RGB ``(height, width, 3)``.
 
     Raises:
-        InvalidRequest: no image, two images, a corrupt image, or pixels of a wrong shape.
+        InvalidRequest: no image, two images, an image in another format, a corrupt or
+            truncated image, one too large, or pixels of a wrong shape.
     """
     if request.pixels is not None and request.image:
         raise InvalidRequest("request has both image bytes and pixels; give one")
     if request.pixels is not None:
         return _check_pixels(request.pixels)
     if not request.image:
-        raise InvalidRequest("request has no image: give PNG bytes in 'image' or 'pixels'")
+        raise InvalidRequest("request has no image: give PNG or JPEG bytes in 'image', or 'pixels'")
     return _decode_image(request.image)
 
 

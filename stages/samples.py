@@ -2,13 +2,14 @@
 from them.
 
 ``stages/assets/`` holds six small PNG images of deterministic patterns (rendered here and
-written by :mod:`stages.png`), eight prompts, and ``requests.jsonl``: twelve requests as JSON
+written with Pillow), eight prompts, and ``requests.jsonl``: twelve requests as JSON
 lines (the image base64-encoded) for ``stagewire run --input-file``. Regenerate them all
 with ``python -m stages.samples``; a test checks that the shipped files match.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 from collections.abc import Sequence
@@ -17,13 +18,14 @@ from pathlib import Path
 import msgspec
 import numpy as np
 from numpy.typing import NDArray
+from PIL import Image
 
 from stages.payloads import VLMRequest
-from stages.png import encode_png
 
 __all__ = (
     "ASSETS",
     "PROMPTS",
+    "encode_png",
     "load_images",
     "load_prompts",
     "render_images",
@@ -82,6 +84,17 @@ def render_images() -> dict[str, NDArray[np.uint8]]:
     wave = np.sin(x / 3) + np.sin(y / 5) + np.sin((x + y) / 7)
     images["plasma"] = _rgb(128 + 40 * wave, 128 + 40 * np.cos(wave * math.pi), 128 - 40 * wave)
     return images
+
+
+def encode_png(pixels: NDArray[np.uint8]) -> bytes:
+    """``uint8`` RGB ``(height, width, 3)`` as PNG bytes, written by Pillow.
+
+    The compression level is fixed so the bytes do not follow Pillow's default; they may
+    still differ between zlib builds, so the shipped files are checked by their pixels.
+    """
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG", compress_level=9)
+    return out.getvalue()
 
 
 def load_images() -> dict[str, bytes]:

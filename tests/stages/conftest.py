@@ -1,13 +1,18 @@
-"""Shared fixtures for the stage tests: one generated weights file and the loaded model."""
+"""Shared fixtures for the stage tests: one generated weights file, the loaded model, and
+images encoded by Pillow."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from stages.model import TinyVLM, generate
 from stages.payloads import VLMRequest
@@ -45,3 +50,12 @@ def reference(model: TinyVLM, request: VLMRequest, max_new_tokens: int) -> list[
     with single_thread():
         pixels, ids = prepare(request)
         return generate(model, pixels, ids, max_new_tokens)
+
+
+def encoded(image: Image.Image | np.ndarray, fmt: str, **options: Any) -> bytes:
+    """``image`` (a Pillow image, or a uint8 array of any mode Pillow infers) as ``fmt`` bytes."""
+    if isinstance(image, np.ndarray):
+        image = Image.fromarray(image)
+    out = io.BytesIO()
+    image.save(out, format=fmt, **options)
+    return out.getvalue()

@@ -1,6 +1,7 @@
 """The staged tiny-VLM pipeline against the single-process reference, over real processes.
 
-Correctness first: for 24 different (image, prompt) inputs, the tokens the pipeline streams
+Correctness first: for 30 different (image, prompt) inputs (PNG and JPEG bytes in several
+modes, and raw pixels), the tokens the pipeline streams
 equal exactly those :func:`stages.model.generate` produces in this process. Then the shape
 of the client's stream, and requests that must fail alone with a clear StageError.
 """
@@ -8,6 +9,7 @@ of the client's stream, and requests that must fail alone with a clear StageErro
 from __future__ import annotations
 
 import asyncio
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +17,14 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
+from PIL import Image
 
 from pipeline import Pipeline, PipelineSpec, StageError
 from stages.model import TINY_VLM, TinyVLM
 from stages.payloads import DecodeChunk, VLMRequest
-from stages.png import encode_png
-from stages.samples import sample_requests
+from stages.samples import encode_png, render_images, sample_requests
 from tests.pipeline.conftest import settled, wait_for
-from tests.stages.conftest import reference
+from tests.stages.conftest import encoded, reference
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -43,8 +45,29 @@ PROMPTS = [
 ]
 
 
+def _encoded_images() -> list[bytes]:
+    """The rendered samples as JPEGs of assorted settings and as PNGs with a palette or alpha.
+
+    JPEG is lossy, so these are checked against the reference on the same bytes, never
+    against the PNG of the same picture.
+    """
+    images = render_images()
+    y, x = np.mgrid[0:32, 0:32]
+    rgba = np.dstack((images["gradient"], ((x * 8 + y * 4) % 256).astype(np.uint8)))
+    palette = Image.fromarray(images["stripes"]).quantize(colors=8)
+    return [
+        encoded(images["rings"], "JPEG", quality=90),
+        encoded(images["plasma"], "JPEG", quality=50, progressive=True),
+        encoded(Image.fromarray(images["disc"]).convert("L"), "JPEG"),
+        encoded(images["checker"], "JPEG", quality=75, subsampling=0),
+        encoded(palette, "PNG", transparency=3),
+        encoded(rgba, "PNG"),
+    ]
+
+
 def _inputs() -> list[VLMRequest]:
-    """12 shipped samples (PNG bytes) and 12 seeded random images of assorted sizes (raw pixels)."""
+    """12 shipped samples (PNG bytes), 6 encoded in other ways (JPEG, palette and RGBA PNG),
+    and 12 seeded random images of assorted sizes (raw pixels)."""
     print(f"seed {SEED}")
     rng = np.random.default_rng(SEED)
     raw = [
@@ -56,7 +79,11 @@ def _inputs() -> list[VLMRequest]:
         )
         for i in range(12)
     ]
-    return sample_requests(12) + raw
+    encoded_images = [
+        VLMRequest(prompt=PROMPTS[(i + 2) % len(PROMPTS)], image=data)
+        for i, data in enumerate(_encoded_images())
+    ]
+    return sample_requests(12) + encoded_images + raw
 
 
 INPUTS = _inputs()
@@ -98,7 +125,7 @@ async def test_the_inputs_exercise_both_stopping_rules(expected: list[list[int]]
 
 
 async def test_staged_tokens_equal_the_reference(vlm: Pipeline, expected: list[list[int]]) -> None:
-    """24 concurrent requests stream exactly the reference's tokens, each in its own order."""
+    """30 concurrent requests stream exactly the reference's tokens, each in its own order."""
     streams = await asyncio.gather(*(_collect(vlm, r) for r in INPUTS))
     for i, (chunks, want) in enumerate(zip(streams, expected, strict=True)):
         streamed = [t for c in chunks for t in c.token_ids]
@@ -152,12 +179,49 @@ def _corrupt(png: bytes) -> bytes:
     return png[:at] + bytes([png[at] ^ 0x55]) + png[at + 1 :]
 
 
+def _claiming(jpeg: bytes, width: int, height: int) -> bytes:
+    """``jpeg`` with its frame header patched to claim ``width`` x ``height``."""
+    at = jpeg.index(b"\xff\xc0") + 5
+    return jpeg[:at] + struct.pack(">HH", height, width) + jpeg[at + 4 :]
+
+
 GOOD_PNG = encode_png(np.full((20, 24, 3), 90, np.uint8))
+GOOD_JPEG = encoded(render_images()["rings"], "JPEG", quality=95)
 BAD_REQUESTS = [
     pytest.param(
         VLMRequest(prompt="hi", image=_corrupt(GOOD_PNG)),
-        "corrupt or unsupported PNG image: chunk b'IDAT' at byte 33 fails its CRC check",
-        id="corrupt-image",
+        "corrupt or truncated PNG image: broken PNG file (bad header checksum in b'IDAT')",
+        id="corrupt-png",
+    ),
+    pytest.param(
+        VLMRequest(prompt="hi", image=GOOD_PNG[:-30]),
+        "corrupt or truncated PNG image: Truncated File Read",
+        id="truncated-png",
+    ),
+    pytest.param(
+        VLMRequest(prompt="hi", image=b"\xff\xd8\xff\xe0" + bytes(100)),
+        "corrupt or truncated JPEG image: unreadable header",
+        id="corrupt-jpeg",
+    ),
+    pytest.param(
+        VLMRequest(prompt="hi", image=GOOD_JPEG[: len(GOOD_JPEG) // 2]),
+        "corrupt or truncated JPEG image: image file is truncated",
+        id="truncated-jpeg",
+    ),
+    pytest.param(
+        VLMRequest(prompt="hi", image=encoded(np.zeros((8, 8, 3), np.uint8), "GIF")),
+        "image is a GIF, not a PNG or JPEG; send PNG or JPEG bytes, or raw pixels",
+        id="gif",
+    ),
+    pytest.param(
+        VLMRequest(prompt="hi", image=encoded(np.zeros((8, 8, 3), np.uint8), "BMP")),
+        "image is a BMP, not a PNG or JPEG",
+        id="bmp",
+    ),
+    pytest.param(
+        VLMRequest(prompt="hi", image=_claiming(GOOD_JPEG, 8000, 6000)),
+        "image is 8000x6000; each side must be 1 to 4096",
+        id="huge-jpeg",
     ),
     pytest.param(VLMRequest(prompt="", image=GOOD_PNG), "prompt is empty", id="empty-prompt"),
     pytest.param(
@@ -169,11 +233,6 @@ BAD_REQUESTS = [
         VLMRequest(prompt="hi", pixels=torch.zeros(3, 32, 32, dtype=torch.uint8)),
         "pixels must be a uint8 tensor of shape (height, width, 3); got uint8 of shape (3, 32, 32)",
         id="wrong-shape",
-    ),
-    pytest.param(
-        VLMRequest(prompt="hi", image=b"\xff\xd8\xff\xe0" + bytes(100)),
-        "JPEG images are not supported",
-        id="jpeg",
     ),
 ]
 

@@ -1,0 +1,1 @@
+"""Runnable examples of embedding stagewire; each module documents its own command."""
