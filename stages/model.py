@@ -165,6 +165,9 @@ class VisionEncoder(nn.Module):
         self.norm = nn.LayerNorm(config.d_model, eps=config.norm_eps)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
+    # Inference mode here, not only in generate(): the stages call these directly, and
+    # without it every op records autograd metadata (about 1.2x slower on the decode loop).
+    @torch.inference_mode()
     def forward(self, pixels: Tensor) -> Tensor:
         """Embed one normalised image of shape ``(channels, size, size)``."""
         c, p = self.config.channels, self.config.patch_size
@@ -218,6 +221,9 @@ class Decoder(nn.Module):
         """Greedy choice; argmax takes the lowest id among ties, deterministically."""
         return int(self.logits(h_last).argmax())
 
+    # Inference mode here, not only in generate(): the stages call these directly, and
+    # without it every op records autograd metadata (about 1.2x slower on the decode loop).
+    @torch.inference_mode()
     def prefill(self, image: Tensor, ids: list[int]) -> Iterator[PrefillLayer]:
         """Run ``[image; ids]`` through the layers, yielding each layer's cache when done.
 
@@ -238,6 +244,9 @@ class Decoder(nn.Module):
             x, kv = layer(x, rope)
             yield PrefillLayer(i, kv, self._next_token(x[-1]) if i == last else None)
 
+    # Inference mode here, not only in generate(): the stages call these directly, and
+    # without it every op records autograd metadata (about 1.2x slower on the decode loop).
+    @torch.inference_mode()
     def step(self, token: int, cache: list[LayerKV]) -> int:
         """Feed one token, extending ``cache`` in place; returns the next greedy token.
 
