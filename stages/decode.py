@@ -12,19 +12,18 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline import Context, Stage, Stream
-from stages.model import TINY_VLM, Decoder, GreedyDecoding, LayerKV
+from pipeline import Context, Stream
+from stages.decoder_stage import DecoderStage
+from stages.model import TINY_VLM, GreedyDecoding, LayerKV
 from stages.payloads import DecodeChunk, KVChunk
 from stages.tokenizer import TextStream
-from stages.weights import load_decoder
 
 __all__ = ("Decode",)
 
 
-class Decode(Stage):
+class Decode(DecoderStage):
     """Greedy decoding from a streamed KV cache; loads only the decoder's weights."""
 
     class Params(BaseModel):
@@ -39,17 +38,6 @@ class Decode(Stage):
 
         max_new_tokens: int = Field(32, ge=1, le=TINY_VLM.max_context)
         chunk_tokens: int = Field(4, ge=1, le=TINY_VLM.max_context)
-
-    decoder: Decoder
-
-    async def setup(self) -> None:
-        """Load the decoder's weights, with one torch thread (see ``Encode.setup``).
-
-        Raises:
-            WeightsError: the weights file is malformed or fails verification.
-        """
-        torch.set_num_threads(1)
-        self.decoder = load_decoder(device=self.device)
 
     async def _receive(self, kv: Stream[KVChunk]) -> tuple[list[LayerKV], int]:
         """The whole cache and the first token, checked for order and completeness."""

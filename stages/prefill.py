@@ -9,29 +9,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import torch
-
-from pipeline import Context, Stage
-from stages.model import BOS, TINY_VLM, Decoder
+from pipeline import Context
+from stages.decoder_stage import DecoderStage
+from stages.model import BOS, TINY_VLM
 from stages.payloads import ImageEmbeddings, KVChunk, PromptTokens
-from stages.weights import load_decoder
 
 __all__ = ("Prefill",)
 
 
-class Prefill(Stage):
+class Prefill(DecoderStage):
     """Prefills the decoder for one request; loads only the decoder's weights."""
-
-    decoder: Decoder
-
-    async def setup(self) -> None:
-        """Load the decoder's weights, with one torch thread (see ``Encode.setup``).
-
-        Raises:
-            WeightsError: the weights file is malformed or fails verification.
-        """
-        torch.set_num_threads(1)
-        self.decoder = load_decoder(device=self.device)
 
     async def process(
         self, preprocess: PromptTokens, encode: ImageEmbeddings, ctx: Context

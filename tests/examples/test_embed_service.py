@@ -20,6 +20,7 @@ from stages.model import TinyVLM
 from stages.payloads import DecodeChunk, VLMRequest
 from stages.samples import sample_requests
 from tests.pipeline.conftest import wait_for
+from tests.procs import alive, children
 from tests.stages.conftest import encoded, reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,28 +81,6 @@ def test_the_demo_prints_each_answer_as_it_streams_then_the_final_text(
         assert stop == ("max_new_tokens" if len(want) == MAX_NEW_TOKENS else "eos")
 
 
-def _children(pid: int) -> list[int]:
-    """Pids whose parent is ``pid``."""
-    kids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
-        except OSError:
-            continue
-        if stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            kids.append(int(entry.name))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 async def _port(stderr: asyncio.StreamReader) -> int:
     """The port the service announces on stderr once its pipeline is up."""
     while line := await stderr.readline():
@@ -140,7 +119,7 @@ async def test_the_service_streams_chunks_fails_bad_lines_alone_and_stops_on_sig
     try:
         async with asyncio.timeout(60):
             port = await _port(proc.stderr)
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 4
         good = sample_requests(2)
         gif = VLMRequest(prompt="hi", image=encoded(np.zeros((8, 8, 3), np.uint8), "GIF"))
@@ -180,7 +159,7 @@ async def test_the_service_streams_chunks_fails_bad_lines_alone_and_stops_on_sig
         assert "Traceback" not in err
 
         async def gone() -> bool:
-            return not any(_alive(pid) for pid in workers)
+            return not any(alive(pid) for pid in workers)
 
         await wait_for(gone)
     finally:

@@ -17,34 +17,12 @@ import zmq
 from pipeline import Pipeline, PipelineError, StageUnavailable
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
-
-
-def _children(pid: int) -> list[int]:
-    """Pids whose parent is ``pid``."""
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            kids.append(int(entry.name))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+from tests.procs import alive, children
 
 
 async def _gone(pids: list[int], timeout: float = 10.0) -> None:
     async def probe() -> bool:
-        return not any(_alive(p) for p in pids)
+        return not any(alive(p) for p in pids)
 
     await wait_for(probe, timeout=timeout)
 
@@ -66,8 +44,8 @@ async def test_no_process_left_after_exit() -> None:
         pids = list(pipe.worker_pids.values())
         assert len(pids) == 2
         assert await pipe.submit(Text("x")) == Text("x")
-    assert not any(_alive(p) for p in pids)
-    assert not _children(os.getpid())
+    assert not any(alive(p) for p in pids)
+    assert not children(os.getpid())
 
 
 async def test_setup_failure_fails_start_and_leaves_nothing() -> None:
@@ -75,7 +53,7 @@ async def test_setup_failure_fails_start_and_leaves_nothing() -> None:
     with pytest.raises(PipelineError, match="weights file is missing"):
         async with Pipeline(spec({"a": ":Echo", "b": ":BrokenSetup"}, [("a", "b")])):
             pytest.fail("started despite a broken stage")
-    await _gone(_children(os.getpid()))
+    await _gone(children(os.getpid()))
 
 
 async def test_kill_9_worker_fails_only_its_requests() -> None:
@@ -149,10 +127,10 @@ def _stagewire(tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
 
 async def _workers_of(proc: subprocess.Popen[bytes], count: int) -> list[int]:
     async def up() -> bool:
-        return len(_children(proc.pid)) >= count
+        return len(children(proc.pid)) >= count
 
     await wait_for(up, timeout=30)
-    return _children(proc.pid)
+    return children(proc.pid)
 
 
 async def test_ctrl_c_stops_run_and_every_worker(tmp_path: Path) -> None:
