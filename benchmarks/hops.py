@@ -50,7 +50,6 @@ import os
 import platform
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -66,6 +65,7 @@ if str(ROOT) not in sys.path:
 
 import zmq  # noqa: E402
 
+from benchmarks._measure import PhaseLog, cpu_seconds, hop_p50s, median  # noqa: E402
 from benchmarks.bench_stages import Blob, Counted, Start  # noqa: E402
 from pipeline import Pipeline  # noqa: E402
 from pipeline._reorder import ReorderBuffer  # noqa: E402
@@ -80,6 +80,8 @@ INTERNAL_EDGES = ("source->relay1", "relay1->relay2", "relay2->sink")
 TARGET_HOP_RATIO = 1.5
 TARGET_CHUNKS_PER_S = 50_000
 TARGET_ORDERING_FRACTION = 0.10
+
+_log = PhaseLog("hops")
 
 
 @dataclass(frozen=True)
@@ -123,22 +125,6 @@ QUICK = Config(
     startup_probes=1,
     trial_budget_s=2.0,
 )
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-_T0 = time.perf_counter()
-#: When each phase started, in seconds since the run began (goes into --json).
-PHASES: dict[str, float] = {}
-
-
-def _log(msg: str) -> None:
-    """Note the start of a phase on stderr (stdout is kept for the report)."""
-    now = time.perf_counter() - _T0
-    PHASES[msg] = round(now, 2)
-    print(f"[hops +{now:5.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 # ---- child processes ------------------------------------------------------------------------
@@ -318,8 +304,8 @@ def _trials(
             samples.append(once() / 1000)
             if time.monotonic() > deadline:
                 break
-        p50s.append(_median(samples))
-    return _median(p50s), p50s
+        p50s.append(median(samples))
+    return median(p50s), p50s
 
 
 def pipe_wakeup(cfg: Config, size: int) -> dict[str, Any]:
@@ -372,8 +358,8 @@ async def _atrials(
             samples.append(await once() / 1000)
             if time.monotonic() > deadline:
                 break
-        p50s.append(_median(samples))
-    return _median(p50s), p50s
+        p50s.append(median(samples))
+    return median(p50s), p50s
 
 
 async def _aio_pipe(cfg: Config, size: int) -> dict[str, Any]:
@@ -549,7 +535,7 @@ def zmq_raw(cfg: Config) -> dict[str, Any]:
                 if got != n:
                     raise RuntimeError(f"zmq stream lost messages: {got} of {n}")
                 rates.append(n / dt)
-            out["stream_1KiB"] = {"msgs_per_s": _median(rates), "trial_msgs_per_s": rates}
+            out["stream_1KiB"] = {"msgs_per_s": median(rates), "trial_msgs_per_s": rates}
             tx.send(b"Q")
             return out
     finally:
@@ -601,7 +587,7 @@ def zmq_chain(cfg: Config) -> dict[str, Any]:
                 "rtt_p50_us": rtt,
                 "hop_p50_us": rtt / CHAIN_HOPS,
                 "trial_rtt_p50_us": p50s,
-                "stream_msgs_per_s_per_edge": _median(rates),
+                "stream_msgs_per_s_per_edge": median(rates),
                 "trial_stream_msgs_per_s": rates,
             }
     finally:
@@ -622,7 +608,7 @@ def import_startup(cfg: Config) -> dict[str, Any]:
             timeout=cfg.step_timeout_s,
         )
         times.append(time.perf_counter() - t0)
-    return {"import_worker_s": _median(times), "trials_s": times}
+    return {"import_worker_s": median(times), "trials_s": times}
 
 
 # ---- ordering, in one process ---------------------------------------------------------------
@@ -720,7 +706,7 @@ async def ordering_micro(cfg: Config) -> dict[str, Any]:
     for _ in range(cfg.trials):
         for name, fn in runs.items():  # interleaved, so drift hits every variant alike
             per_chunk[name].append(await fn(counts[name], item) / counts[name] * 1e6)
-    us = {k: _median(v) for k, v in per_chunk.items()}
+    us = {k: median(v) for k, v in per_chunk.items()}
     return {
         "per_chunk_us": us,
         "chunks_per_s": {k: 1e6 / v for k, v in us.items()},
@@ -763,17 +749,6 @@ STREAM_CHAIN = (
 )
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User plus system CPU of a process, from /proc (0.0 where unavailable)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    # Fields 14 and 15 (utime, stime) are the 12th and 13th after the command name.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _worker_pids(pipe: Pipeline) -> dict[str, int]:
     launcher = pipe._launcher  # private, but the benchmark wants per-stage CPU
     if launcher is None:
@@ -789,22 +764,13 @@ class _CpuMeter:
         self._start = self._sample()
 
     def _sample(self) -> dict[str, float]:
-        cpu = {stage: _cpu_seconds(pid) for stage, pid in self.pids.items()}
+        cpu = {stage: cpu_seconds(pid) for stage, pid in self.pids.items()}
         cpu["master+client"] = time.process_time()
         return cpu
 
     def stop(self) -> dict[str, float]:
         end = self._sample()
         return {k: end[k] - self._start[k] for k in end}
-
-
-def _hops(stats: dict[str, Any]) -> dict[str, float]:
-    """Envelope hop p50 per edge (µs), from every replica's and the client's inputs."""
-    out = {}
-    for r in [*stats["replicas"], stats["client"]]:
-        for i in r["inputs"]:
-            out[i["edge"]] = i["hop_p50_us"]
-    return out
 
 
 async def _started(spec: dict[str, Any]) -> tuple[Pipeline, float]:
@@ -835,17 +801,17 @@ async def stagewire_latency(cfg: Config) -> dict[str, Any]:
                 samples.append((time.perf_counter_ns() - t0) / 1000)
                 if time.monotonic() > deadline:
                     break
-            p50s.append(_median(samples))
-        hops = _hops(await pipe.statistics())
+            p50s.append(median(samples))
+        hops = hop_p50s(await pipe.statistics())
     finally:
         await pipe.aclose()
-    e2e = _median(p50s)
+    e2e = median(p50s)
     return {
         "startup_s": startup,
         "e2e_p50_us": e2e,
         "hop_p50_us": e2e / CHAIN_HOPS,
         "trial_e2e_p50_us": p50s,
-        "envelope_hop_p50_us": _median(list(hops.values())),
+        "envelope_hop_p50_us": median(list(hops.values())),
         "envelope_hop_p50_us_by_edge": hops,
     }
 
@@ -894,13 +860,13 @@ async def stagewire_stream(
             cpu_us = {k: v / chunks * 1e6 for k, v in cpus[mid].items()}
             result[label] = {
                 "concurrency": conc,
-                "chunks_per_s_per_edge": _median(rates),
+                "chunks_per_s_per_edge": median(rates),
                 "trial_chunks_per_s": rates,
                 "cpu_us_per_chunk": cpu_us,
                 "cpu_us_per_chunk_total": sum(cpu_us.values()),
             }
         stats = await pipe.statistics()
-        result["envelope_hop_p50_us_by_edge"] = _hops(stats)
+        result["envelope_hop_p50_us_by_edge"] = hop_p50s(stats)
     finally:
         await pipe.aclose()
     return result
@@ -1215,7 +1181,7 @@ def main(argv: list[str] | None = None) -> int:
     results.update(asyncio.run(run_async(cfg, wide or None)))
     results["ordering_cost"] = ordering_cost(results["ordering"], results["stagewire"]["stream"])
     results["elapsed_s"] = time.perf_counter() - t_start
-    results["phase_start_s"] = PHASES
+    results["phase_start_s"] = _log.phases
     print(render(results))
     print(f"\n(total {results['elapsed_s']:.0f} s)")
     if json_out:

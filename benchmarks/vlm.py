@@ -71,7 +71,6 @@ import json
 import os
 import platform
 import signal
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -84,6 +83,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks._measure import PhaseLog, cpu_seconds, hop_p50s, median  # noqa: E402
 from pipeline import Pipeline, PipelineSpec  # noqa: E402
 from stages.payloads import DecodeChunk, VLMRequest  # noqa: E402
 from stages.samples import sample_requests  # noqa: E402
@@ -98,6 +98,8 @@ CONCURRENCY = 8
 # Targets (the brief for this benchmark).
 TARGET_OVERHEAD = 0.10
 TARGET_THROUGHPUT_RATIO = 1.0
+
+_log = PhaseLog("vlm")
 
 
 @dataclass(frozen=True)
@@ -132,32 +134,6 @@ QUICK = Config(
 
 class OutputMismatch(RuntimeError):
     """The staged pipeline (or a monolithic run) produced other tokens than the reference."""
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-_T0 = time.perf_counter()
-#: When each phase started, in seconds since the run began (goes into --json).
-PHASES: dict[str, float] = {}
-
-
-def _log(msg: str) -> None:
-    """Note the start of a phase on stderr (stdout is kept for the report)."""
-    now = time.perf_counter() - _T0
-    PHASES[msg] = round(now, 2)
-    print(f"[vlm +{now:5.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User plus system CPU of a process, from /proc (0.0 where unavailable)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- the monolithic child -------------------------------------------------------------------
@@ -380,11 +356,11 @@ async def mono_latency(
     samples = r["samples"]
     return {
         "n": len(samples),
-        "ttft_p50_ms": _median([s["ttft_ms"] for s in samples]),
-        "e2e_p50_ms": _median([s["e2e_ms"] for s in samples]),
+        "ttft_p50_ms": median([s["ttft_ms"] for s in samples]),
+        "e2e_p50_ms": median([s["e2e_ms"] for s in samples]),
         "e2e_ms": [s["e2e_ms"] for s in samples],
         "steps_p50_ms": {
-            k: _median([s[k] for s in samples])
+            k: median([s[k] for s in samples])
             for k in ("prepare_ms", "encode_ms", "prefill_ms", "decode_ms")
         },
         "cpu_ms_per_request": r["cpu_s"] / len(samples) * 1e3,
@@ -444,7 +420,7 @@ class CpuMeter:
         self._start = self._sample()
 
     def _sample(self) -> dict[str, float]:
-        cpu = {stage: _cpu_seconds(pid) for stage, pid in self.pids.items()}
+        cpu = {stage: cpu_seconds(pid) for stage, pid in self.pids.items()}
         cpu["master+client"] = time.process_time()
         return cpu
 
@@ -501,12 +477,12 @@ async def staged_latency(
     cpu = meter.per_request_ms(len(samples))
     return {
         "n": len(samples),
-        "ttft_p50_ms": _median([s["ttft_ms"] for s in samples]),
-        "e2e_p50_ms": _median([s["e2e_ms"] for s in samples]),
-        "final_chunk_p50_ms": _median([s["final_chunk_ms"] for s in samples]),
+        "ttft_p50_ms": median([s["ttft_ms"] for s in samples]),
+        "e2e_p50_ms": median([s["e2e_ms"] for s in samples]),
+        "final_chunk_p50_ms": median([s["final_chunk_ms"] for s in samples]),
         "e2e_ms": [s["e2e_ms"] for s in samples],
         "decode_timings_p50_ms": {
-            k: _median([s["timings"][k] for s in samples])
+            k: median([s["timings"][k] for s in samples])
             for k in ("kv_receive_ms", "first_token_ms", "decode_ms")
         },
         "cpu_ms_per_request": cpu,
@@ -551,7 +527,7 @@ async def staged_throughput(
         "done": done,
         "elapsed_s": elapsed,
         "req_per_s": done / elapsed,
-        "latency_p50_ms": _median(latencies),
+        "latency_p50_ms": median(latencies),
         "cpu_ms_per_request": cpu,
     }
 
@@ -561,7 +537,7 @@ async def staged_throughput(
 
 def _summarise_cpu(trials: list[dict[str, float]]) -> dict[str, float]:
     keys = trials[0].keys()
-    out = {k: _median([t[k] for t in trials]) for k in keys}
+    out = {k: median([t[k] for t in trials]) for k in keys}
     out["total"] = sum(out.values())
     return out
 
@@ -582,7 +558,7 @@ class MachineMeter:
             cpu = [int(x) for x in f.readline().split()[1:]]
         tick = os.sysconf("SC_CLK_TCK")
         idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)
-        ours = time.process_time() + sum(_cpu_seconds(p) for p in self.pids)
+        ours = time.process_time() + sum(cpu_seconds(p) for p in self.pids)
         return (sum(cpu) - idle) / tick, ours, time.monotonic()
 
     def stop(self) -> dict[str, float]:
@@ -596,15 +572,6 @@ class MachineMeter:
             "other_cores": max(0.0, busy - ours) / wall,
             "loadavg_1m_end": os.getloadavg()[0],
         }
-
-
-def _hops(stats: dict[str, Any]) -> dict[str, float]:
-    """Envelope hop p50 per edge (µs, envelope sent -> received), replicas and client."""
-    out = {}
-    for r in [*stats["replicas"], stats["client"]]:
-        for i in r["inputs"]:
-            out[i["edge"]] = i["hop_p50_us"]
-    return out
 
 
 def _replicated_spec(decode_replicas: int) -> PipelineSpec:
@@ -683,7 +650,7 @@ async def run(cfg: Config, decode_replicas: int) -> dict[str, Any]:
                 second = await asyncio.wait_for(second_start, timeout)
                 await mono_latency(cfg, second, checker, n=cfg.warmup_n)
             # Only sequential requests so far: the envelope hops of an unloaded pipeline.
-            out["envelope_hop_p50_us_conc1"] = _hops(await pipe.statistics())
+            out["envelope_hop_p50_us_conc1"] = hop_p50s(await pipe.statistics())
             ours = [mono.proc.pid, *out["workers"].values()]
             machine = MachineMeter(ours + ([second.proc.pid] if second is not None else []))
             out["trials"] = await _staged_trials(cfg, pipe, mono, requests, checker)
@@ -723,7 +690,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     tr = raw["trials"]
 
     def med(name: str, key: str) -> float:
-        return _median([t[key] for t in tr[name]])
+        return median([t[key] for t in tr[name]])
 
     mono_e2e = med("mono_latency", "e2e_p50_ms")
     staged_e2e = med("staged_latency", "e2e_p50_ms")
@@ -739,7 +706,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "e2e_p50_ms": mono_e2e,
             "req_per_s": med("mono_throughput", "req_per_s"),
             "steps_p50_ms": {
-                k: _median([t["steps_p50_ms"][k] for t in tr["mono_latency"]])
+                k: median([t["steps_p50_ms"][k] for t in tr["mono_latency"]])
                 for k in tr["mono_latency"][0]["steps_p50_ms"]
             },
             "cpu_ms_per_request_conc1": med("mono_latency", "cpu_ms_per_request"),
@@ -753,7 +720,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "req_per_s": med("staged_throughput", "req_per_s"),
             "latency_p50_ms_conc8": med("staged_throughput", "latency_p50_ms"),
             "decode_timings_p50_ms": {
-                k: _median([t["decode_timings_p50_ms"][k] for t in tr["staged_latency"]])
+                k: median([t["decode_timings_p50_ms"][k] for t in tr["staged_latency"]])
                 for k in tr["staged_latency"][0]["decode_timings_p50_ms"]
             },
             "cpu_ms_per_request_conc1": _summarise_cpu(
@@ -765,7 +732,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "startup_s": raw["staged_startup_s"],
         },
         "overhead_conc1": (staged_e2e - mono_e2e) / mono_e2e,
-        "overhead_conc1_paired_median": _median(paired),
+        "overhead_conc1_paired_median": median(paired),
         "trial_overheads": [
             (s["e2e_p50_ms"] - m["e2e_p50_ms"]) / m["e2e_p50_ms"]
             for m, s in zip(tr["mono_latency"], tr["staged_latency"], strict=True)
@@ -777,7 +744,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     }
     ab = tr["mono_inference_mode_ab"]
     if ab:
-        ratios = {k: _median([x for t in ab for x in t[k]]) for k in ab[0]}
+        ratios = {k: median([x for t in ab for x in t[k]]) for k in ab[0]}
         noim = mono_e2e * ratios["e2e_ratio"]
         s["inference_mode_ab"] = {**ratios, "pairs": sum(len(t["e2e_ratio"]) for t in ab)}
         s["mono"]["e2e_p50_ms_no_inference_mode"] = noim
@@ -790,9 +757,9 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         s["replicated"] = {
             "decode_replicas": rep["decode_replicas"],
             "startup_s": rep["startup_s"],
-            "staged_req_per_s": _median([t["req_per_s"] for t in rep["staged"]]),
-            "mono_req_per_s": _median([t["req_per_s"] for t in rep["mono"]]),
-            "ratio": _median(
+            "staged_req_per_s": median([t["req_per_s"] for t in rep["staged"]]),
+            "mono_req_per_s": median([t["req_per_s"] for t in rep["mono"]]),
+            "ratio": median(
                 [
                     st["req_per_s"] / mo["req_per_s"]
                     for mo, st in zip(rep["mono"], rep["staged"], strict=True)
@@ -800,7 +767,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             ),
         }
     if raw.get("mono2_throughput"):
-        s["mono2_req_per_s"] = _median([t["req_per_s"] for t in raw["mono2_throughput"]])
+        s["mono2_req_per_s"] = median([t["req_per_s"] for t in raw["mono2_throughput"]])
     return s
 
 
@@ -1011,7 +978,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(raw)
     raw["summary"] = summary
     raw["elapsed_s"] = time.perf_counter() - t_start
-    raw["phase_start_s"] = PHASES
+    raw["phase_start_s"] = _log.phases
     print(render(raw, summary))
     print(f"\n(total {raw['elapsed_s']:.0f} s)")
     if json_out:
