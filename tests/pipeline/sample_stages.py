@@ -14,6 +14,13 @@ from pipeline import Context, Outputs, Stage, Stream
 from stages.text import Text, Token
 
 
+#: Simulated work of a batch (not a synchronisation: the stage is doing its job).
+BATCH_WORK_S = 0.001
+#: Simulated work of a Gauge request: long enough that concurrent arrivals overlap even on
+#: a loaded machine, so the peak reaches max_concurrency.
+GAUGE_WORK_S = 0.25
+
+
 class Echo(Stage):
     """Returns its input; fails on 'boom', returns a wrong type on 'badtype'."""
 
@@ -144,7 +151,7 @@ class Batched(Stage):
         return (await self.process_batch([text], [ctx]))[0]
 
     async def process_batch(self, texts: list[Text], ctxs: list[Context]) -> list[Text]:
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(BATCH_WORK_S)
         return [Text(f"{t.value.upper()}#{len(texts)}") for t in texts]
 
 
@@ -158,8 +165,7 @@ class Gauge(Stage):
         Gauge.running += 1
         Gauge.peak = max(Gauge.peak, Gauge.running)
         try:
-            # Long enough that concurrent arrivals overlap even on a loaded machine.
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(GAUGE_WORK_S)
             return Text(f"{self.replica}:{Gauge.peak}")
         finally:
             Gauge.running -= 1
