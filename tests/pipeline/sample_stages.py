@@ -13,7 +13,6 @@ from pydantic import BaseModel
 from pipeline import Context, Outputs, Stage, Stream
 from stages.text import Text, Token
 
-
 #: Simulated work of a batch (not a synchronisation: the stage is doing its job).
 BATCH_WORK_S = 0.001
 #: Simulated work of a Gauge request: long enough that concurrent arrivals overlap even on
