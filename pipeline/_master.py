@@ -262,6 +262,9 @@ class Master:
         timeout = self.spec.defaults.heartbeat_timeout
         while True:
             await asyncio.sleep(interval)
+            # If the loop was held, heartbeats may sit unread in the socket: read them before
+            # judging anyone dead.
+            self._control_reader.drain_now()
             now = time.monotonic()
             for rep in list(self.replicas.values()):
                 if not rep.alive:
