@@ -28,6 +28,7 @@ from pipeline._errors import (
     FailureInfo,
     PayloadError,
     RequestAborted,
+    StageUnavailable,
     error_to_failure,
 )
 from pipeline._keys import CLIENT
@@ -122,7 +123,9 @@ class StageActor:
         if dst == CLIENT:
             assert self._client is not None
             return SendTarget(self._client.endpoint, self._client.host)
-        peer = self._peers[dst][route[dst]]
+        peer = self._peers.get(dst, {}).get(route[dst])
+        if peer is None:
+            raise StageUnavailable(dst, f"replica {route[dst]} is not known to {self.stage!r}")
         return SendTarget(peer.endpoint, peer.host)
 
     def admit(self, request_id: str, route: dict[str, int]) -> None:

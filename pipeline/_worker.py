@@ -98,6 +98,7 @@ class _Worker:
         self.endpoint = bind_ephemeral(self.inbox, f"tcp://{bind_host}:0")
         self.outbox = Outbox(self.zctx)
         self.peer_endpoints: set[str] = set()
+        self.peers: PeerTable | None = None
         self.assignment: asyncio.Future[Assignment] | None = None
         self.actor: StageActor | None = None
         self.stop = asyncio.Event()
@@ -129,9 +130,13 @@ class _Worker:
                 actor.abort(rid, reason)
             case Drop(request_id=rid) if actor is not None:
                 actor.forget(rid)
-            case Peers(peers=peers) if actor is not None:
+            case Peers(peers=peers):
+                # Kept even while the stage is still in setup: the actor is built from the
+                # latest table, not the one in the (older) Assignment.
+                self.peers = peers
                 self._forget_departed(peers)
-                actor.set_peers(peers)
+                if actor is not None:
+                    actor.set_peers(peers)
             case Assignment() if self.assignment is not None and not self.assignment.done():
                 self.assignment.set_result(msg)
             case StatsRequest(token=token) if actor is not None:
@@ -198,8 +203,9 @@ class _Worker:
             report_failure=self.report_failure,
             max_inflight=spec.defaults.max_inflight,
         )
-        self._forget_departed(assignment.peers)
-        actor.set_peers(assignment.peers, assignment.client)
+        peers = self.peers if self.peers is not None else assignment.peers
+        self._forget_departed(peers)
+        actor.set_peers(peers, assignment.client)
         self.actor = actor
         self.data_reader = SocketReader(self.inbox, actor.on_data, self._on_error)
         self.data_reader.start()

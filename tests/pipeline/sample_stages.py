@@ -188,3 +188,14 @@ class Hog(Stage):
         while time.monotonic() < end:
             pass
         return text
+
+
+#: Simulated model-loading time of SlowSetupRelay.
+SLOW_SETUP_S = 1.5
+
+
+class SlowSetupRelay(Relay):
+    """A relay whose setup takes a while, as loading a model does."""
+
+    async def setup(self) -> None:
+        await asyncio.sleep(SLOW_SETUP_S)

@@ -257,3 +257,14 @@ async def test_forged_chunks_cannot_grow_state_without_bound() -> None:
         await wait_for(counted)
         assert (await pipe.statistics())["replicas"][0]["active"] <= 8
         assert await pipe.submit(Text("real")) == Text("real")
+
+
+async def test_peers_that_register_during_a_slow_setup_are_known() -> None:
+    """A replica still in setup when its downstream registers still learns where it is."""
+    s = spec(
+        {"tokens": ":Tokens", "relay": ":SlowSetupRelay", "collect": ":Collect"},
+        [("tokens", "relay"), ("relay", "collect")],
+    )
+    async with Pipeline(s) as pipe:
+        outs = await asyncio.gather(*(pipe.submit(Text(f"a{i} b{i}")) for i in range(10)))
+        assert [o.value for o in outs] == [f"a{i} b{i}" for i in range(10)]
