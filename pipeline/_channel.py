@@ -34,7 +34,6 @@ from transports.auto import AutoPolicy
 
 __all__ = ("Inflow", "InputChannel", "Item", "OutputChannel", "SendTarget")
 
-_encode_raw = msgspec.msgpack.Encoder().encode
 _encode_msg = msgspec.msgpack.Encoder().encode
 
 
@@ -94,7 +93,10 @@ class OutputChannel:
         ctx = EdgeContext(plan.name, host, plan.transport.options, plan.inline_threshold)
         kind = plan.transport.kind
         self._auto = kind == AUTO
-        names = AutoPolicy(plan.inline_threshold, True).candidates() if self._auto else (kind,)
+        # Built once: choosing happens per chunk, and only the peer's host varies.
+        self._local_policy = AutoPolicy(plan.inline_threshold, same_host=True)
+        self._remote_policy = AutoPolicy(plan.inline_threshold, same_host=False)
+        names = self._local_policy.candidates() if self._auto else (kind,)
         self._senders: dict[str, TransportSender] = {
             name: create_transport(name, {} if self._auto else plan.transport.options).open_sender(
                 ctx
@@ -142,7 +144,7 @@ class OutputChannel:
         else:
             name, sender = self._choose(encoded, target)
             descriptor = await sender.put(key, encoded, timeout=self.plan.chunk_timeout)
-            raw = msgspec.Raw(_encode_raw(descriptor))
+            raw = msgspec.Raw(_encode_msg(descriptor))
             self.bytes += encoded.nbytes
             shown = self._names[name]
             self.used[shown] = self.used.get(shown, 0) + 1
@@ -153,7 +155,7 @@ class OutputChannel:
     def _choose(self, encoded: Encoded, target: SendTarget) -> tuple[str, TransportSender]:
         if self._fixed is not None:
             return self.plan.transport.kind, self._fixed
-        policy = AutoPolicy(self.plan.inline_threshold, target.host == self._host)
+        policy = self._local_policy if target.host == self._host else self._remote_policy
         name, fell_back = policy.choose(encoded.nbytes)
         if fell_back:
             self.fallbacks += 1

@@ -288,11 +288,7 @@ class Master:
             async with asyncio.timeout(timeout):
                 await self.startup.ready.wait()
         except TimeoutError:
-            missing = sorted(
-                f"{s}[{k}]"
-                for s, k in self.expected
-                if not ((s, k) in self.replicas and self.replicas[(s, k)].ready)
-            )
+            missing = self.waiting_for()
             raise StageUnavailable(
                 missing[0].split("[")[0],
                 f"not ready after {timeout:g}s; waiting for {', '.join(missing)}",

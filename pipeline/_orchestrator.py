@@ -266,14 +266,17 @@ class Orchestrator:
             for stage, k in req.route.items():
                 self._send_control(stage, k, drop)
 
-    def fail(self, rid: str, exc: PipelineError) -> None:
-        """Fail a request at the client and abort it in every stage."""
+    def fail(self, rid: str, exc: PipelineError, *, outcome: str = "failed") -> None:
+        """Fail a request at the client and abort it in every stage.
+
+        ``outcome`` is the counter it ends in: ``failed``, or ``aborted`` for a cancel.
+        """
         req = self.requests.get(rid)
         if req is None:
             return
         req.error = exc
         self._finish(rid, exc)
-        self.counts["failed"] += 1
+        self.counts[outcome] += 1
         abort = Abort(rid, str(exc))
         for stage, k in req.route.items():
             self._send_control(stage, k, abort)
@@ -282,9 +285,7 @@ class Orchestrator:
         """Cancel a request everywhere; False if it had already ended."""
         if rid not in self.requests:
             return False
-        self.fail(rid, RequestAborted(rid, reason))
-        self.counts["failed"] -= 1
-        self.counts["aborted"] += 1
+        self.fail(rid, RequestAborted(rid, reason), outcome="aborted")
         return True
 
     def replica_lost(self, stage: str, replica: int, why: str) -> int:

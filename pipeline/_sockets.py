@@ -121,12 +121,11 @@ class Outbox:
     waits at most one loop turn.
     """
 
-    __slots__ = ("_ctx", "_loop", "_pending", "_scheduled", "_sockopts", "_socks")
+    __slots__ = ("_ctx", "_loop", "_pending", "_scheduled", "_socks")
 
-    def __init__(self, ctx: zmq.Context[Any], sockopts: dict[int, int] | None = None) -> None:
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
         self._ctx = ctx
         self._socks: dict[str, zmq.Socket[Any]] = {}
-        self._sockopts = sockopts or {}
         self._pending: dict[str, list[bytes]] = {}
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -137,8 +136,6 @@ class Outbox:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
-            for opt, value in self._sockopts.items():
-                sock.setsockopt(opt, value)
             sock.connect(endpoint)
             self._socks[endpoint] = sock
         return sock

@@ -28,7 +28,7 @@ import zmq
 from pipeline._actor import StageActor
 from pipeline._config import PipelineSpec
 from pipeline._encoded import DECODE_ERRORS
-from pipeline._errors import FailureInfo, PipelineError
+from pipeline._errors import FailureInfo
 from pipeline._host import host_identity
 from pipeline._logging import configure_logging
 from pipeline._messages import (
@@ -188,7 +188,7 @@ class _Worker:
                 params=plan.params, name=self.stage, replica=self.replica, device=plan.spec.device
             )
             await instance.setup()
-        except (PipelineError, Exception) as exc:
+        except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             log.error("stage_setup_failed", stage=self.stage, error=message)
             self.send_control(SetupFailed(self.stage, self.replica, message))
