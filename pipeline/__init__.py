@@ -16,6 +16,7 @@ from ._errors import RequestTimeout as RequestTimeout
 from ._errors import StageError as StageError
 from ._errors import StageUnavailable as StageUnavailable
 from ._errors import TransportError as TransportError
+from ._errors import TransportFull as TransportFull
 from ._keys import ChunkKey as ChunkKey
 from ._stage import Context as Context
 from ._stage import Outputs as Outputs
@@ -44,4 +45,5 @@ __all__ = (
     "StageUnavailable",
     "Stream",
     "TransportError",
+    "TransportFull",
 )

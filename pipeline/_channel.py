@@ -13,6 +13,7 @@ and memory held for an edge is bounded by ``window`` chunks per admitted request
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,19 +23,32 @@ import msgspec
 
 from pipeline._codec import codec_for
 from pipeline._encoded import Encoded
-from pipeline._errors import EndOfChannel, PayloadError, RequestAborted, TransportError
+from pipeline._errors import (
+    EndOfChannel,
+    PayloadError,
+    RequestAborted,
+    TransportError,
+    TransportFull,
+)
 from pipeline._keys import ChunkKey
 from pipeline._latency import LatencyRecorder
 from pipeline._messages import NO_DESCRIPTOR, Chunk, Credit
 from pipeline._reorder import ReorderBuffer
 from pipeline._signature import EdgePlan
 from transports._protocol import Descriptor, EdgeContext, TransportReceiver, TransportSender
-from transports._registry import AUTO, create_transport, resolve_transport
+from transports._registry import create_transport, resolve_transport
 from transports.auto import AutoPolicy
 
 __all__ = ("Inflow", "InputChannel", "Item", "OutputChannel", "SendTarget")
 
 _encode_msg = msgspec.msgpack.Encoder().encode
+
+
+def _bind_host(endpoint: str) -> str:
+    """The address of a ``tcp://HOST:PORT`` endpoint; loopback for anything else."""
+    if endpoint.startswith("tcp://"):
+        return endpoint[len("tcp://") :].rsplit(":", 1)[0]
+    return "127.0.0.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,23 +104,24 @@ class OutputChannel:
         self._endpoint = endpoint
         self._send = send
         self._windows: dict[str, _Window] = {}
-        ctx = EdgeContext(plan.name, host, plan.transport.options, plan.inline_threshold)
-        kind = plan.transport.kind
-        self._auto = kind == AUTO
+        ctx = EdgeContext(
+            plan.name,
+            host,
+            plan.transport.options,
+            plan.inline_threshold,
+            bind_host=_bind_host(endpoint),
+        )
+        self._transports = edge = plan.transports
         # Built once: choosing happens per chunk, and only the peer's host varies.
         self._local_policy = AutoPolicy(plan.inline_threshold, same_host=True)
         self._remote_policy = AutoPolicy(plan.inline_threshold, same_host=False)
-        names = self._local_policy.candidates() if self._auto else (kind,)
         self._senders: dict[str, TransportSender] = {
-            name: create_transport(name, {} if self._auto else plan.transport.options).open_sender(
-                ctx
-            )
-            for name in names
+            name: create_transport(name, edge.options[name]).open_sender(ctx) for name in edge.names
         }
-        self._fixed = None if self._auto else self._senders[kind]
+        self._fixed = None if edge.auto else self._senders[edge.kind]
         # Statistics name what carried each chunk by the transport's own name, so a plug-in
         # given by import path shows up as, say, "rdma".
-        self._names = {n: str(getattr(resolve_transport(n), "name", n)) for n in names}
+        self._names = {n: str(getattr(resolve_transport(n), "name", n)) for n in edge.names}
         self.chunks = 0
         self.bytes = 0
         self.fallbacks = 0
@@ -143,7 +158,16 @@ class OutputChannel:
             name, raw = "", NO_DESCRIPTOR
         else:
             name, sender = self._choose(encoded, target)
-            descriptor = await sender.put(key, encoded, timeout=self.plan.chunk_timeout)
+            try:
+                descriptor = await sender.put(key, encoded, timeout=self._transports.full_timeout)
+            except TransportFull:
+                name = self._transports.fallback or ""
+                if not name:
+                    raise
+                self.fallbacks += 1
+                descriptor = await self._senders[name].put(
+                    key, encoded, timeout=self.plan.chunk_timeout
+                )
             raw = msgspec.Raw(_encode_msg(descriptor))
             self.bytes += encoded.nbytes
             shown = self._names[name]
@@ -154,7 +178,7 @@ class OutputChannel:
 
     def _choose(self, encoded: Encoded, target: SendTarget) -> tuple[str, TransportSender]:
         if self._fixed is not None:
-            return self.plan.transport.kind, self._fixed
+            return self._transports.kind, self._fixed
         policy = self._local_policy if target.host == self._host else self._remote_policy
         name, fell_back = policy.choose(encoded.nbytes)
         if fell_back:
@@ -190,8 +214,12 @@ class OutputChannel:
             "chunks": self.chunks,
             "bytes": self.bytes,
             "fallbacks": self.fallbacks,
-            "transport": self.plan.transport.kind,
+            "transport": self._transports.kind,
             "used": dict(self.used),
+            "transports": {
+                name: dataclasses.asdict(sender.statistics())
+                for name, sender in self._senders.items()
+            },
         }
 
     async def aclose(self) -> None:
@@ -217,10 +245,7 @@ class InputChannel:
         self._send = send
         self._codec = codec_for(plan.payload_type)
         self._ctx = EdgeContext(plan.name, host, plan.transport.options, plan.inline_threshold)
-        kind = plan.transport.kind
-        self._allowed = (
-            set(AutoPolicy(plan.inline_threshold, True).candidates()) if kind == AUTO else {kind}
-        )
+        self._transports = plan.transports
         self._receivers: dict[str, TransportReceiver] = {}
         self._credit_step = max(1, plan.window // 2)
         self.hop = LatencyRecorder()
@@ -234,12 +259,12 @@ class InputChannel:
         """
         recv = self._receivers.get(name)
         if recv is None:
-            if name not in self._allowed:
+            if name not in self._transports.names:
                 raise TransportError(
                     f"edge {self.plan.name!r} does not use transport {name!r} "
-                    f"(allowed: {sorted(self._allowed)})"
+                    f"(allowed: {', '.join(self._transports.names)})"
                 )
-            options = self.plan.transport.options if self.plan.transport.kind == name else {}
+            options = self._transports.options[name]
             recv = create_transport(name, options).open_receiver(self._ctx)
             self._receivers[name] = recv
         return recv

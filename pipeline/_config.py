@@ -75,7 +75,15 @@ class TransportSpec(_Spec):
     kind: TransportKind
     """A built-in kind, an entry-point name, or an import path ``package.module:Class``."""
     options: dict[str, Any] = Field(default_factory=dict)
-    """Options for the transport itself, checked by the transport when it is built."""
+    """Options for the transport itself, checked when the pipeline is built. Under ``auto``
+    they are keyed by transport: ``{shm: {capacity: 1GiB}, network: {...}}``."""
+    fallback: TransportKind | None = None
+    """Where a payload goes when this transport stays full past ``full_timeout``; none
+    means the request fails with TransportFull. ``auto`` falls back to ``inline`` unless
+    told otherwise."""
+    full_timeout: Timeout | None = None
+    """How long a put waits for a full transport before falling back or failing; by
+    default one second when there is a fallback, else the edge's ``chunk_timeout``."""
 
     @model_validator(mode="before")
     @classmethod

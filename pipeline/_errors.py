@@ -8,6 +8,7 @@ Every error a user can catch derives from :class:`PipelineError`::
     ├── StageUnavailable    the replica holding a request died or never came up
     ├── ChunkGap            a chunk did not arrive within ``chunk_timeout``
     ├── TransportError      a transport could not move or find a payload
+    │   └── TransportFull   no capacity freed up within the put's deadline
     ├── PayloadError        a payload did not match its declared type
     ├── RequestAborted      the request was cancelled (client cancel or ``abort``)
     └── RequestTimeout      the request passed its deadline
@@ -34,6 +35,7 @@ __all__ = (
     "StageError",
     "StageUnavailable",
     "TransportError",
+    "TransportFull",
     "error_to_failure",
     "failure_to_error",
 )
@@ -111,6 +113,13 @@ class ChunkGap(PipelineError):
 
 class TransportError(PipelineError):
     """A transport could not store, find or deliver a payload."""
+
+
+class TransportFull(TransportError):
+    """A bounded transport had no room for a payload within the put's deadline.
+
+    The ``auto`` policy may then send the payload another way, counted as a fallback.
+    """
 
 
 class PayloadError(PipelineError):

@@ -19,8 +19,9 @@ import structlog
 import zmq
 
 from pipeline._encoded import DECODE_ERRORS
-from pipeline._errors import PipelineError, StageUnavailable, failure_to_error
+from pipeline._errors import ConfigError, PipelineError, StageUnavailable, failure_to_error
 from pipeline._host import host_identity
+from pipeline._keys import CLIENT
 from pipeline._messages import (
     Assignment,
     ControlToMaster,
@@ -38,9 +39,10 @@ from pipeline._messages import (
 )
 from pipeline._orchestrator import Orchestrator, ReplicaView
 from pipeline._pulse import pulse_identity
-from pipeline._signature import PipelinePlan
+from pipeline._signature import EdgePlan, PipelinePlan
 from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
 from pipeline._worker import MAX_CONTROL_MESSAGE, MAX_DATA_MESSAGE
+from transports._registry import AUTO, resolve_transport
 
 __all__ = ("Master",)
 
@@ -67,6 +69,23 @@ class _Replica:
 class _Startup:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
+    #: What start-up raises with ``error``: a placement that breaks the config is a
+    #: ConfigError, anything else a PipelineError.
+    error_type: type[PipelineError] = PipelineError
+
+
+def _host_local_edges(plan: PipelinePlan) -> dict[str, list[tuple[EdgePlan, str]]]:
+    """Each stage's edges pinned to a host-local transport, with the stage at the other end."""
+    found: dict[str, list[tuple[EdgePlan, str]]] = {}
+    for stage in plan.stages.values():
+        for edge in stage.outputs.values():
+            kind = edge.transport.kind
+            if edge.dst == CLIENT or kind == AUTO:
+                continue
+            if resolve_transport(kind).capabilities.host_local:
+                found.setdefault(edge.src, []).append((edge, edge.dst))
+                found.setdefault(edge.dst, []).append((edge, edge.src))
+    return found
 
 
 class Master:
@@ -94,6 +113,7 @@ class Master:
             (stage, k) for stage, s in plan.spec.stages.items() for k in range(s.replicas)
         }
         self.startup = _Startup()
+        self._host_local_edges = _host_local_edges(plan)
         self.garbage = 0
         self._tokens = itertools.count(1)
         self._stats: dict[int, tuple[asyncio.Future[None], list[dict[str, Any]], int]] = {}
@@ -217,6 +237,13 @@ class Master:
         if old is not None and old.identity == identity:
             self._send(identity, self._assignment(msg.stage, msg.replica))
             return
+        misplaced = self._misplaced(msg.stage, msg.replica, msg.host)
+        if misplaced is not None:
+            log.error("replica_refused", stage=msg.stage, replica=msg.replica, reason=misplaced)
+            if not self.startup.ready.is_set() and self.startup.error is None:
+                self.startup.error, self.startup.error_type = misplaced, ConfigError
+                self.startup.ready.set()
+            return
         if old is not None and old.alive:
             self.replica_lost(msg.stage, msg.replica, "was replaced by a new registration")
         self.replicas[key] = _Replica(
@@ -231,6 +258,24 @@ class Master:
         for other in self.replicas.values():
             if other.alive and other.identity != identity:
                 self._send(other.identity, peers)
+
+    def _misplaced(self, stage: str, replica: int, host: str) -> str | None:
+        """Why a replica on ``host`` breaks an edge pinned to a host-local transport, if it does.
+
+        shm and cuda_ipc descriptors name memory on one host, so every producer replica of
+        such an edge must share a host with every consumer replica.
+        """
+        for edge, other_stage in self._host_local_edges.get(stage, ()):
+            for other in self.replicas.values():
+                if other.stage == other_stage and other.alive and other.host != host:
+                    return (
+                        f"edge {edge.name!r} is pinned to transport {edge.transport.kind!r}, "
+                        f"which works within one host, but {stage!r} replica {replica} is on "
+                        f"host {host!r} and {other_stage!r} replica {other.replica} on host "
+                        f"{other.host!r}; place both stages on one host, or use 'network' "
+                        "or 'auto' for this edge"
+                    )
+        return None
 
     def _assignment(self, stage: str, replica: int) -> Assignment:
         return Assignment(
@@ -294,7 +339,7 @@ class Master:
                 f"not ready after {timeout:g}s; waiting for {', '.join(missing)}",
             ) from None
         if self.startup.error is not None:
-            raise PipelineError(f"pipeline failed to start: {self.startup.error}")
+            raise self.startup.error_type(f"pipeline failed to start: {self.startup.error}")
 
     def waiting_for(self) -> list[str]:
         """Replicas expected but not yet ready, as ``stage[k]``."""

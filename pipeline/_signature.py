@@ -19,6 +19,7 @@ import msgspec
 from pydantic import BaseModel, ValidationError
 
 from pipeline._config import PipelineSpec, StageSpec, TransportSpec
+from pipeline._edge_transport import EdgeTransports, resolve_edge_transports
 from pipeline._errors import ConfigError
 from pipeline._keys import CLIENT, edge_name
 from pipeline._stage import Context, Outputs, Stage, Stream
@@ -75,6 +76,7 @@ class EdgePlan:
     window: int
     chunk_timeout: float
     inline_threshold: int
+    transports: EdgeTransports
 
 
 @dataclass(slots=True)
@@ -232,29 +234,27 @@ def _validate_params(spec: StageSpec, cls: type[Stage], stage: str) -> Any:
 
 
 def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool) -> EdgePlan:
+    name = edge_name(src, dst)
     if CLIENT in (src, dst):
-        return EdgePlan(
-            edge_name(src, dst),
-            src,
-            dst,
-            tp,
-            streaming,
-            TransportSpec(kind="inline"),
-            spec.defaults.window,
-            spec.defaults.chunk_timeout,
-            spec.defaults.inline_threshold,
-        )
-    e = spec.edge(src, dst)
+        transport = TransportSpec(kind="inline")
+        window, chunk_timeout = spec.defaults.window, spec.defaults.chunk_timeout
+        threshold = spec.defaults.inline_threshold
+    else:
+        e = spec.edge(src, dst)
+        transport = spec.edge_transport(e)
+        window, chunk_timeout = spec.edge_window(e), spec.edge_chunk_timeout(e)
+        threshold = spec.edge_inline_threshold(e)
+    transports = resolve_edge_transports(
+        name,
+        transport.kind,
+        transport.options,
+        fallback=transport.fallback,
+        full_timeout=transport.full_timeout,
+        chunk_timeout=chunk_timeout,
+        inline_threshold=threshold,
+    )
     return EdgePlan(
-        e.name,
-        src,
-        dst,
-        tp,
-        streaming,
-        spec.edge_transport(e),
-        spec.edge_window(e),
-        spec.edge_chunk_timeout(e),
-        spec.edge_inline_threshold(e),
+        name, src, dst, tp, streaming, transport, window, chunk_timeout, threshold, transports
     )
 
 

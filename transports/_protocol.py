@@ -49,12 +49,15 @@ class EdgeContext:
         host: the host identity of the process opening this end.
         options: transport options from the edge's spec.
         inline_threshold: payloads at or below this size go inline under ``auto``.
+        bind_host: the address this process's sockets bind to, for transports that serve
+            payloads over the network.
     """
 
     edge: str
     host: str
     options: dict[str, Any] = field(default_factory=dict)
     inline_threshold: int = 64 * 1024
+    bind_host: str = "127.0.0.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,16 +68,24 @@ class TransportCapabilities:
         bounded: ``put`` can run out of capacity and then waits up to its deadline.
         detects_stale: ``get`` of a released descriptor raises :class:`TransportError`.
         host_local: descriptors name host-local resources and fail on other hosts.
+        device_buffers: ``put`` accepts payloads whose tensors are still on a CUDA device
+            (``Encoded.device_buffers``); without it the runtime copies them to host first.
     """
 
     bounded: bool = False
     detects_stale: bool = False
     host_local: bool = False
+    device_buffers: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class TransportStatistics:
-    """A snapshot of one transport end's counters."""
+    """A snapshot of one transport end's counters.
+
+    Attributes:
+        held: payloads this end still holds resources for: put and not yet released, on
+            a sender; fetched and not yet released, on a receiver. Zero once traffic stops.
+    """
 
     transport: str
     chunks: int = 0
@@ -84,6 +95,7 @@ class TransportStatistics:
     latency_p50_us: float = 0.0
     latency_p99_us: float = 0.0
     by_transport: dict[str, int] = field(default_factory=dict)
+    held: int = 0
 
 
 @runtime_checkable
