@@ -16,7 +16,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import structlog
 
 from pipeline._batching import Batcher
@@ -33,7 +32,7 @@ from pipeline._errors import (
 )
 from pipeline._keys import CLIENT
 from pipeline._latency import LatencyRecorder
-from pipeline._messages import Chunk, Credit, DataMessage, Peer, PeerTable
+from pipeline._messages import Chunk, Credit, Peer, PeerTable, decode_batch
 from pipeline._signature import EdgePlan, StagePlan
 from pipeline._sockets import MAX_FRAMES
 from pipeline._stage import Context, Outputs, Stage, Stream
@@ -41,7 +40,6 @@ from pipeline._stage import Context, Outputs, Stage, Stream
 __all__ = ("StageActor",)
 
 log = structlog.get_logger("stagewire.actor")
-_decode_data = msgspec.msgpack.Decoder(DataMessage).decode
 
 #: How many finished request ids a replica remembers, to discard their late chunks.
 FINISHED_MEMORY = 65536
@@ -177,16 +175,17 @@ class StageActor:
             return
         for frame in frames:
             try:
-                msg = _decode_data(frame)
+                batch = decode_batch(frame)
             except DECODE_ERRORS:
                 self._garbage(1)
                 continue
-            if isinstance(msg, Credit):
-                out = self._outputs_by_edge.get(msg.edge)
-                if out is not None:
-                    out.on_credit(msg)
-            else:
-                self._on_chunk(msg)
+            for msg in batch:
+                if isinstance(msg, Credit):
+                    out = self._outputs_by_edge.get(msg.edge)
+                    if out is not None:
+                        out.on_credit(msg)
+                else:
+                    self._on_chunk(msg)
 
     def _garbage(self, n: int) -> None:
         before = self.counts["garbage"]

@@ -35,6 +35,8 @@ __all__ = (
     "Shutdown",
     "StatsReply",
     "StatsRequest",
+    "decode_batch",
+    "encode_batch",
 )
 
 
@@ -74,6 +76,34 @@ class Credit(_Msg, frozen=True, tag="k"):
 
 
 DataMessage = Chunk | Credit
+
+_batch_decoder = msgspec.msgpack.Decoder(list[DataMessage])
+
+
+def encode_batch(envelopes: list[bytes]) -> bytes:
+    """Join encoded data messages into one msgpack array: one frame, one decode.
+
+    Each envelope is already a complete msgpack value, so an array header followed by the
+    envelopes is a valid msgpack array of them; nothing is re-encoded.
+    """
+    n = len(envelopes)
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return head + b"".join(envelopes)
+
+
+def decode_batch(frame: bytes | memoryview) -> list[DataMessage]:
+    """Decode a frame made by :func:`encode_batch`.
+
+    Raises:
+        msgspec.DecodeError: the frame is not a batch of data messages.
+        UnicodeDecodeError: a string in it is not UTF-8.
+    """
+    return _batch_decoder.decode(frame)
 
 
 # ---- control plane: worker -> master ------------------------------------------------------

@@ -15,8 +15,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget
 from pipeline._codec import codec_for
 from pipeline._encoded import DECODE_ERRORS
@@ -29,13 +27,11 @@ from pipeline._errors import (
     StageUnavailable,
 )
 from pipeline._keys import CLIENT
-from pipeline._messages import Abort, Admit, Chunk, Credit, DataMessage, Drop
+from pipeline._messages import Abort, Admit, Chunk, Credit, Drop, decode_batch
 from pipeline._signature import PipelinePlan
 from pipeline._sockets import MAX_FRAMES
 
 __all__ = ("ClientRequest", "Orchestrator", "ReplicaView")
-
-_decode_data = msgspec.msgpack.Decoder(DataMessage).decode
 
 
 def _consume_outcome(task: asyncio.Task[Any]) -> None:
@@ -308,11 +304,12 @@ class Orchestrator:
             return
         for frame in frames:
             try:
-                msg = _decode_data(frame)
+                batch = decode_batch(frame)
             except DECODE_ERRORS:
                 self.counts["garbage"] += 1
                 continue
-            self._on_message(msg)
+            for msg in batch:
+                self._on_message(msg)
 
     def _on_message(self, msg: Chunk | Credit) -> None:
         if isinstance(msg, Credit):

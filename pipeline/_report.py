@@ -55,9 +55,11 @@ def edge_rows(
     for r in [*replicas, client]:
         for o in r["outputs"]:
             row = sent.setdefault(
-                o["edge"], {"chunks": 0, "bytes": 0, "used": {}, "transport": o["transport"]}
+                o["edge"],
+                {"chunks": 0, "bytes": 0, "used": {}, "fallbacks": 0, "transport": o["transport"]},
             )
             row["chunks"] += o["chunks"]
+            row["fallbacks"] += o.get("fallbacks", 0)
             row["bytes"] += o["bytes"]
             for name, n in o["used"].items():
                 row["used"][name] = row["used"].get(name, 0) + n
@@ -73,6 +75,8 @@ def edge_rows(
     for edge in ordered:
         row = sent[edge]
         used = ", ".join(f"{k} {v}" for k, v in sorted(row["used"].items())) or "-"
+        if row["fallbacks"]:
+            used += f" ({row['fallbacks']} fell back)"
         hop = hops.get(edge, {})
         rows.append(
             {

@@ -314,15 +314,23 @@ def main(argv: list[str] | None = None) -> int:
         # A locally launched worker: the master handles Ctrl-C and shuts us down in order.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _die_with_parent(args.parent_pid)
-    return asyncio.run(
-        run_worker(
-            args.master,
-            args.stage,
-            args.replica,
-            bind_host=args.bind_host,
-            connect_timeout=args.connect_timeout,
-        )
+    work = run_worker(
+        args.master,
+        args.stage,
+        args.replica,
+        bind_host=args.bind_host,
+        connect_timeout=args.connect_timeout,
     )
+    profile_dir = os.environ.get("STAGEWIRE_PROFILE_DIR")
+    if not profile_dir:
+        return asyncio.run(work)
+    # A developer's view of where a worker's time goes: one cProfile dump per replica.
+    import cProfile
+
+    with cProfile.Profile() as prof:
+        code = asyncio.run(work)
+    prof.dump_stats(os.path.join(profile_dir, f"{args.stage}-{args.replica}-{os.getpid()}.prof"))
+    return code
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ async def test_forged_chunks_cannot_grow_state_without_bound() -> None:
     import msgspec
 
     from pipeline._keys import ChunkKey
-    from pipeline._messages import Chunk
+    from pipeline._messages import Chunk, encode_batch
     from transports.inline import InlineDescriptor
 
     s = spec({"echo": ":Echo"}, [], max_inflight=4)
@@ -246,7 +246,7 @@ async def test_forged_chunks_cannot_grow_state_without_bound() -> None:
             push = ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 1000)
             push.connect(endpoint)
-            push.send_multipart(frames)
+            push.send(encode_batch(frames))
             push.close()
         finally:
             ctx.term()
