@@ -46,10 +46,13 @@ FINISHED_MEMORY = 65536
 
 
 class _Request:
-    __slots__ = ("created", "ctx", "inflows", "request_id", "route", "started", "task")
+    __slots__ = ("created", "ctx", "inflows", "request_id", "route", "started", "targets", "task")
 
     def __init__(self, request_id: str, inflows: dict[str, Inflow]) -> None:
         self.request_id = request_id
+        #: Where each destination's chunks go, looked up once per request: a replica that
+        #: moves fails the requests it held, so a request never needs a second lookup.
+        self.targets: dict[str, SendTarget] = {}
         self.route: dict[str, int] | None = None
         self.inflows = inflows
         self.task: asyncio.Task[None] | None = None
@@ -117,14 +120,23 @@ class StageActor:
         if client is not None:
             self._client = client
 
-    def _target(self, dst: str, route: dict[str, int]) -> SendTarget:
+    def _target(self, dst: str, req: _Request) -> SendTarget:
+        target = req.targets.get(dst)
+        if target is not None:
+            return target
+        assert req.route is not None
         if dst == CLIENT:
             assert self._client is not None
-            return SendTarget(self._client.endpoint, self._client.host)
-        peer = self._peers.get(dst, {}).get(route[dst])
-        if peer is None:
-            raise StageUnavailable(dst, f"replica {route[dst]} is not known to {self.stage!r}")
-        return SendTarget(peer.endpoint, peer.host)
+            target = SendTarget(self._client.endpoint, self._client.host)
+        else:
+            peer = self._peers.get(dst, {}).get(req.route[dst])
+            if peer is None:
+                raise StageUnavailable(
+                    dst, f"replica {req.route[dst]} is not known to {self.stage!r}"
+                )
+            target = SendTarget(peer.endpoint, peer.host)
+        req.targets[dst] = target
+        return target
 
     def admit(self, request_id: str, route: dict[str, int]) -> None:
         """Expect ``request_id``; its handler starts when its first chunk is here."""
@@ -308,16 +320,16 @@ class StageActor:
                         req.request_id,
                         self._encode(out.plan, part),
                         final,
-                        self._target(dst, req.route),
+                        self._target(dst, req),
                     )
                 elif final:
-                    await out.send(req.request_id, None, True, self._target(dst, req.route))
+                    await out.send(req.request_id, None, True, self._target(dst, req))
             return
         encoded: Encoded | None = None
         for dst, out in self._outputs.items():
             if encoded is None:
                 encoded = self._encode(out.plan, value)
-            await out.send(req.request_id, encoded, final, self._target(dst, req.route))
+            await out.send(req.request_id, encoded, final, self._target(dst, req))
 
     def _encode(self, edge: EdgePlan, value: Any) -> Encoded:
         return codec_for(edge.payload_type).encode(value)
@@ -325,7 +337,7 @@ class StageActor:
     async def _end(self, req: _Request) -> None:
         assert req.route is not None
         for dst, out in self._outputs.items():
-            await out.send(req.request_id, None, True, self._target(dst, req.route))
+            await out.send(req.request_id, None, True, self._target(dst, req))
 
     # ---- lifecycle -----------------------------------------------------------------------
 

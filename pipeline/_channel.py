@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from pipeline._codec import codec_for
-from pipeline._encoded import Encoded
+from pipeline._encoded import Encoded, to_host
 from pipeline._errors import (
     EndOfChannel,
     PayloadError,
@@ -122,6 +122,12 @@ class OutputChannel:
         # Statistics name what carried each chunk by the transport's own name, so a plug-in
         # given by import path shows up as, say, "rdma".
         self._names = {n: str(getattr(resolve_transport(n), "name", n)) for n in edge.names}
+        # Transports that take tensors still on a GPU; the others get host copies.
+        self._on_device = frozenset(
+            n
+            for n in edge.names
+            if getattr(resolve_transport(n).capabilities, "device_buffers", False)
+        )
         self.chunks = 0
         self.bytes = 0
         self.fallbacks = 0
@@ -158,6 +164,8 @@ class OutputChannel:
             name, raw = "", NO_DESCRIPTOR
         else:
             name, sender = self._choose(encoded, target)
+            if encoded.device_buffers and name not in self._on_device:
+                encoded = to_host(encoded)
             try:
                 descriptor = await sender.put(key, encoded, timeout=self._transports.full_timeout)
             except TransportFull:
@@ -165,6 +173,8 @@ class OutputChannel:
                 if not name:
                     raise
                 self.fallbacks += 1
+                if encoded.device_buffers and name not in self._on_device:
+                    encoded = to_host(encoded)
                 descriptor = await self._senders[name].put(
                     key, encoded, timeout=self.plan.chunk_timeout
                 )
@@ -180,7 +190,7 @@ class OutputChannel:
         if self._fixed is not None:
             return self._transports.kind, self._fixed
         policy = self._local_policy if target.host == self._host else self._remote_policy
-        name, fell_back = policy.choose(encoded.nbytes)
+        name, fell_back = policy.choose(encoded.nbytes, has_cuda=encoded.has_device_buffers)
         if fell_back:
             self.fallbacks += 1
         return name, self._senders[name]

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline._errors import ConfigError, TransportError
+from pipeline._errors import ConfigError
 from transports._registry import AUTO, create_transport
 from transports.auto import AutoPolicy
 
@@ -88,8 +88,6 @@ def resolve_edge_transports(
     for name in names:
         try:
             create_transport(name, per[name])
-        except TransportError as exc:
-            raise ConfigError(f"edge {edge!r}: transport {name!r}: {exc}") from exc
         except ConfigError as exc:
             raise ConfigError(f"edge {edge!r}: {exc.message}") from exc
     if full_timeout is None:

@@ -13,7 +13,7 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import structlog
 
@@ -40,6 +40,9 @@ class LocalLauncher:
         self._master = master
         self._on_exit = on_exit
         self.procs: dict[tuple[str, int], asyncio.subprocess.Process] = {}
+        #: Every pid this launcher started, restarts included: their shared memory is
+        #: removed when they exit, however they exit.
+        self.started: set[int] = set()
         self._watchers: list[asyncio.Task[None]] = []
         self._closing = False
         self._max_restarts = max_restarts
@@ -63,6 +66,13 @@ class LocalLauncher:
         Raises:
             OSError: a process could not be started.
         """
+        from transports.shm import sweep_dead_owners
+
+        # Segments of processes that died without cleaning up (a crash, a kill -9 of a
+        # whole pipeline) would otherwise hold /dev/shm until reboot.
+        swept = sweep_dead_owners()
+        if swept:
+            log.info("shm_segments_swept", count=len(swept))
         for stage, sspec in self._spec.stages.items():
             for k in range(sspec.replicas):
                 await self.start(stage, k)
@@ -90,6 +100,7 @@ class LocalLauncher:
             env=self._env(stage),
         )
         self.procs[(stage, replica)] = proc
+        self.started.add(proc.pid)
         self._watchers.append(
             asyncio.get_running_loop().create_task(self._watch(stage, replica, proc))
         )
@@ -99,6 +110,9 @@ class LocalLauncher:
         code = await proc.wait()
         if self._closing:
             return
+        # A worker that exited, even by kill -9, owns no more shared memory; readers that
+        # still map a segment keep their mapping until they drop it.
+        _remove_shared_memory([proc.pid])
         log.warning("worker_exited", stage=stage, replica=replica, pid=proc.pid, code=code)
         self._on_exit(stage, replica, code)
         key = (stage, replica)
@@ -141,3 +155,13 @@ class LocalLauncher:
             except TimeoutError:
                 continue
         await asyncio.gather(*self._watchers, return_exceptions=True)
+        _remove_shared_memory(self.started)
+
+
+def _remove_shared_memory(pids: Iterable[int]) -> None:
+    """Unlink the shm segments owned by ``pids``, which have all exited."""
+    from transports.shm import remove_segments_of
+
+    removed = remove_segments_of(pids)
+    if removed:
+        log.info("shm_segments_removed", count=len(removed))

@@ -11,7 +11,7 @@ from functools import cache
 from importlib.metadata import entry_points
 from typing import Any
 
-from pipeline._errors import ConfigError
+from pipeline._errors import ConfigError, TransportError
 from transports._protocol import Transport
 
 __all__ = ("AUTO", "BUILTIN", "ENTRY_POINT_GROUP", "create_transport", "resolve_transport")
@@ -22,6 +22,7 @@ AUTO = "auto"
 #: Built-in transports by name, as import paths so that unused ones are never imported.
 BUILTIN: dict[str, str] = {
     "inline": "transports.inline:InlineTransport",
+    "shm": "transports.shm:ShmTransport",
 }
 
 
@@ -74,5 +75,5 @@ def create_transport(name: str, options: dict[str, Any] | None = None) -> Transp
     cls = resolve_transport(name)
     try:
         return cls(**(options or {}))
-    except TypeError as exc:
+    except (TypeError, ValueError, TransportError) as exc:
         raise ConfigError(f"transport {name!r} rejected its options: {exc}") from exc

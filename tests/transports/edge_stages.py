@@ -1,0 +1,72 @@
+"""Stages for tests of what travels along an edge: patterned arrays of chosen sizes.
+
+Every chunk's array is filled with a byte derived from its sequence number, so a consumer
+can tell a chunk that arrived twice, out of order or with someone else's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+import numpy as np
+from pydantic import BaseModel
+
+from pipeline import Context, Stage, Stream
+from stages.text import Text
+
+
+class Piece(msgspec.Struct):
+    """One chunk of a stream: its position and a patterned array."""
+
+    seq: int
+    data: np.ndarray
+
+
+def pattern(seq: int) -> int:
+    """The byte every element of chunk ``seq`` holds."""
+    return (seq * 37 + 11) % 251
+
+
+class Alternate(Stage):
+    """Streams ``count`` pieces whose sizes cycle through ``sizes``.
+
+    With sizes on both sides of the inline threshold, consecutive chunks of one request
+    travel by different transports under ``auto``.
+    """
+
+    class Params(BaseModel):
+        count: int = 8
+        sizes: list[int] = [512, 16 * 1024]
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Piece]:
+        assert isinstance(self.params, Alternate.Params)
+        count = int(text.value) if text.value else self.params.count
+        for seq in range(count):
+            size = self.params.sizes[seq % len(self.params.sizes)]
+            yield Piece(seq, np.full(size, pattern(seq), np.uint8))
+
+
+class Verify(Stage):
+    """Checks that pieces arrive exactly once, in order, with their own bytes."""
+
+    class Params(BaseModel):
+        delay: float = 0.0
+
+    async def process(self, pieces: Stream[Piece], ctx: Context) -> Text:
+        assert isinstance(self.params, Verify.Params)
+        seen = 0
+        total = 0
+        async for piece in pieces:
+            if piece.seq != seen:
+                raise AssertionError(f"expected piece {seen}, got {piece.seq}")
+            want = pattern(piece.seq)
+            if piece.data.size and not bool((piece.data == want).all()):
+                raise AssertionError(f"piece {piece.seq} holds bytes that are not its own")
+            seen += 1
+            total += int(piece.data.size)
+            if self.params.delay:
+                # The point is a slow consumer: it holds the stream open while chunks queue.
+                await asyncio.sleep(self.params.delay)
+        return Text(f"{seen}:{total}")

@@ -1,0 +1,175 @@
+"""Edges carried by real transports between worker processes: ordering across a transport
+mix, host identity, and shared memory left behind by killed workers.
+
+The first tests pin the inline-chunk bug of vllm-omni (its PR #1643): when small chunks
+travel inline and large ones through shared memory, the consumer must still see every
+chunk exactly once and in order, whatever carried it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from pipeline import ConfigError, Pipeline, PipelineSpec, StageUnavailable
+from stages.text import Text
+from tests.pipeline.conftest import settled, wait_for
+from transports.shm import list_segments
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+STAGES = "tests.transports.edge_stages"
+#: Chunks per request, alternating 512 B (inline) and 16 KiB (shm) under a 4 KiB threshold.
+CHUNKS = 8
+SIZES = [512, 16 * 1024]
+REQUESTS = 500
+
+
+def _spec(
+    *,
+    transport: Any = "auto",
+    producers: int = 1,
+    producer_env: dict[str, str] | None = None,
+    consumer_env: dict[str, str] | None = None,
+    sizes: list[int] | None = None,
+    delay: float = 0.0,
+    **defaults: Any,
+) -> PipelineSpec:
+    """source (Alternate) -> sink (Verify) with the given edge transport."""
+    return PipelineSpec.from_dict(
+        {
+            "name": "edges",
+            "defaults": {
+                "heartbeat_interval": "200ms",
+                "heartbeat_timeout": "2s",
+                "inline_threshold": "4KiB",
+                **defaults,
+            },
+            "stages": {
+                "source": {
+                    "impl": f"{STAGES}:Alternate",
+                    "replicas": producers,
+                    "params": {"count": CHUNKS, "sizes": sizes or SIZES},
+                    "env": producer_env or {},
+                },
+                "sink": {
+                    "impl": f"{STAGES}:Verify",
+                    "params": {"delay": delay},
+                    "env": consumer_env or {},
+                },
+            },
+            "edges": [{"from": "source", "to": "sink", "transport": transport}],
+        }
+    )
+
+
+def _expected(count: int = CHUNKS, sizes: list[int] | None = None) -> Text:
+    sizes = sizes or SIZES
+    return Text(f"{count}:{sum(sizes[i % len(sizes)] for i in range(count))}")
+
+
+async def _used(pipe: Pipeline, edge: str = "source->sink") -> tuple[dict[str, int], list[int]]:
+    """Chunks per transport on ``edge``, summed over producer replicas, and each's requests."""
+    stats = await pipe.statistics()
+    used: dict[str, int] = {}
+    served: list[int] = []
+    for replica in stats["replicas"]:
+        for out in replica["outputs"]:
+            if out["edge"] == edge:
+                served.append(replica["completed"])
+                for name, n in out["used"].items():
+                    used[name] = used.get(name, 0) + n
+    return used, served
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[1, 2], ids=["1x1", "2x1"])
+async def mixed(request: pytest.FixtureRequest) -> AsyncIterator[Pipeline]:
+    """An auto edge whose chunks alternate between inline and shm, with 1 or 2 producers."""
+    async with Pipeline(_spec(producers=request.param)) as pipe:
+        yield pipe
+
+
+async def test_alternating_transports_keep_order(mixed: Pipeline) -> None:
+    """500 concurrent requests whose chunks alternate inline and shm each arrive whole and
+    in order, and the edge really used both transports."""
+    results = await asyncio.gather(*(mixed.submit(Text("")) for _ in range(REQUESTS)))
+    assert results == [_expected()] * REQUESTS
+    used, served = await _used(mixed)
+    assert used.get("inline", 0) >= REQUESTS * CHUNKS // 2, used
+    assert used.get("shm", 0) >= REQUESTS * CHUNKS // 2, used
+    # With two producer replicas both must have fed the one consumer.
+    assert all(n > 0 for n in served), f"a producer replica served nothing: {served}"
+    await wait_for(lambda: settled(mixed))
+
+
+async def test_shm_extents_are_all_released(mixed: Pipeline) -> None:
+    """After a burst of streams, no extent of any producer's arena is still held."""
+    await asyncio.gather(*(mixed.submit(Text("")) for _ in range(50)))
+    stats = await mixed.statistics()
+    for replica in stats["replicas"]:
+        for out in replica["outputs"]:
+            shm = out["transports"].get("shm")
+            if shm is not None:
+                assert shm["held"] == 0, f"{replica['stage']} still holds {shm}"
+
+
+async def test_pinned_shm_between_hosts_is_a_config_error() -> None:
+    """An edge pinned to shm whose ends are on different hosts fails start-up, naming it."""
+    spec = _spec(
+        transport="shm",
+        producer_env={"STAGEWIRE_HOST_ID": "host-a"},
+        consumer_env={"STAGEWIRE_HOST_ID": "host-b"},
+    )
+    with pytest.raises(ConfigError, match=r"'source->sink' is pinned to transport 'shm'"):
+        async with Pipeline(spec):
+            pass
+
+
+async def test_auto_between_hosts_goes_by_network() -> None:
+    """Between different host identities, auto sends large payloads by network, not shm."""
+    spec = _spec(
+        producer_env={"STAGEWIRE_HOST_ID": "host-a"},
+        consumer_env={"STAGEWIRE_HOST_ID": "host-b"},
+    )
+    async with Pipeline(spec) as pipe:
+        results = await asyncio.gather(*(pipe.submit(Text("")) for _ in range(20)))
+        assert results == [_expected()] * 20
+        used, _ = await _used(pipe)
+    assert set(used) == {"inline", "network"}, used
+    assert used["network"] == 20 * CHUNKS // 2
+
+
+def _ours(pids: list[int]) -> list[str]:
+    """Segments owned by any of ``pids``."""
+    return [s for s in list_segments() if any(f"-{pid}-" in s for pid in pids)]
+
+
+@pytest.mark.parametrize("victim", ["source", "sink"])
+async def test_kill_9_leaves_no_segment(victim: str) -> None:
+    """kill -9 of a producer or consumer mid-stream leaves no shm segment once the pipeline
+    is closed, and fails only the requests it held."""
+    before = set(list_segments())
+    big = [256 * 1024, 512 * 1024]
+    spec = _spec(transport="shm", sizes=big, delay=0.01)
+    pids: list[int] = []
+    async with Pipeline(spec) as pipe:
+        pids = list(pipe.worker_pids.values())
+        streams = [asyncio.ensure_future(pipe.submit(Text("200"))) for _ in range(4)]
+        # Wait until the stream is in flight: the producer's segment exists.
+        await wait_for(lambda: _have(_ours(pids)), timeout=20)
+        os.kill(pipe.worker_pids[(victim, 0)], signal.SIGKILL)
+        outcomes = await asyncio.gather(*streams, return_exceptions=True)
+        assert all(isinstance(o, StageUnavailable) for o in outcomes), outcomes
+        pids += list(pipe.worker_pids.values())
+    assert _ours(pids) == []
+    assert set(list_segments()) <= before
+
+
+async def _have(found: list[str]) -> bool:
+    return bool(found)

@@ -1,0 +1,698 @@
+"""The shm transport: the conformance suite, and what only a shared-memory arena must do.
+
+Everything here runs on the real /dev/shm, and the tests about other processes start real
+ones: producers and consumers in subprocesses, killed with SIGKILL where that is the point.
+Every test checks that it left no segment of this process or its children behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import os
+import resource
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline._codec import codec_for
+from pipeline._encoded import Encoded
+from pipeline._errors import TransportError, TransportFull
+from pipeline._host import host_identity
+from pipeline._keys import ChunkKey
+from pipeline.testing import TransportConformance
+from transports import EdgeContext, Transport
+from transports._shm_arena import ALIGN, Arena
+from transports._shm_segment import PREFIX, SHM_DIR, free_space
+from transports.shm import (
+    DEFAULT_CAPACITY,
+    ShmDescriptor,
+    ShmReceiver,
+    ShmSender,
+    ShmTransport,
+    list_segments,
+    remove_segments_of,
+    sweep_dead_owners,
+)
+
+T = TypeVar("T")
+MiB = 2**20
+ROOT = Path(__file__).resolve().parents[2]
+EDGE = "a->b"
+#: How long any single step may take before the test fails it as a hang.
+STEP = 10.0
+
+# A producer in another process: puts argv[1] payloads, prints each descriptor as hex,
+# then "ready", and keeps its segment until its stdin closes.
+PRODUCER = """
+import asyncio, sys
+import msgspec
+from pipeline._encoded import Encoded
+from pipeline._host import host_identity
+from pipeline._keys import ChunkKey
+from transports import EdgeContext
+from transports.shm import ShmTransport
+
+async def main():
+    sender = ShmTransport(capacity="4MiB").open_sender(EdgeContext("a->b", host_identity()))
+    async with sender:
+        for i in range(int(sys.argv[1])):
+            payload = Encoded(b"header %d" % i, (bytes([i]) * (1000 * (i + 1)), b"tail"))
+            desc = await sender.put(ChunkKey("x", "a->b", i), payload, timeout=10)
+            print(msgspec.msgpack.encode(desc).hex(), flush=True)
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.read)
+
+asyncio.run(main())
+"""
+
+# A consumer in another process: gets the descriptor read from stdin, prints the size of
+# its first buffer, and holds the extent (never releasing) until it is killed.
+CONSUMER = """
+import asyncio, sys
+from pipeline._host import host_identity
+from transports import EdgeContext
+from transports.shm import ShmTransport
+
+async def main():
+    receiver = ShmTransport().open_receiver(EdgeContext("a->b", host_identity()))
+    desc = receiver.decode_descriptor(bytes.fromhex(sys.stdin.readline()))
+    got = await receiver.get(desc)
+    print(len(got.buffers[0]), flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+
+asyncio.run(main())
+"""
+
+
+class _Frame(msgspec.Struct):
+    """A payload holding one tensor, as a stage would send."""
+
+    tensor: torch.Tensor
+
+
+def _pid_of(name: str) -> int:
+    """The owner pid written in a segment name."""
+    return int(name[len(PREFIX) :].split("-")[0])
+
+
+def _touch(names: list[str]) -> None:
+    """Create empty files under /dev/shm."""
+    for name in names:
+        Path(SHM_DIR, name).touch()
+
+
+def _remove(names: list[str]) -> None:
+    """Remove files under /dev/shm, if they exist."""
+    for name in names:
+        Path(SHM_DIR, name).unlink(missing_ok=True)
+
+
+def _key(seq: int = 0) -> ChunkKey:
+    """A chunk key on the test edge."""
+    return ChunkKey("shm-test", EDGE, seq)
+
+
+def _blob(index: int, size: int) -> Encoded:
+    """A payload of one ``size``-byte buffer, distinct for every ``index``."""
+    return Encoded(b"blob %d" % index, ((index % 251).to_bytes(1, "little") * size,))
+
+
+async def _within(aw: Awaitable[T], seconds: float = STEP) -> T:
+    """Await ``aw``, failing the test as a hang after ``seconds``."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await aw
+    except TimeoutError:
+        pytest.fail(f"a step did not finish within {seconds:g}s")
+
+
+@pytest.fixture
+def spawned() -> list[int]:
+    """Pids of the subprocesses a test started, whose segments the leak check covers too."""
+    return []
+
+
+@pytest.fixture(autouse=True)
+def no_segments_left(spawned: list[int]) -> Iterator[None]:
+    """Fail a test that leaves a segment of this process or its children under /dev/shm."""
+
+    def mine() -> set[str]:
+        pids = {os.getpid(), *spawned}
+        return {name for name in list_segments() if _pid_of(name) in pids}
+
+    before = mine()
+    yield
+    if mine() - before:
+        gc.collect()  # Views dropped by the test may still sit in reference cycles.
+    leaked = mine() - before
+    remove_segments_of(_pid_of(name) for name in leaked)  # So one leak fails one test.
+    assert not leaked, f"segments left behind: {sorted(leaked)}"
+
+
+@asynccontextmanager
+async def _ends(**options: object) -> AsyncIterator[tuple[ShmSender, ShmReceiver]]:
+    """A sender and a receiver of one shm transport, both closed on exit."""
+    transport = ShmTransport(**{"capacity": "4MiB", **options})
+    edge = EdgeContext(EDGE, host_identity())
+    async with transport.open_sender(edge) as sender, transport.open_receiver(edge) as receiver:
+        yield sender, receiver
+
+
+@pytest_asyncio.fixture
+async def ends() -> AsyncIterator[tuple[ShmSender, ShmReceiver]]:
+    """A zero-copy sender and receiver over a 4 MiB arena."""
+    async with _ends() as pair:
+        yield pair
+
+
+class _Child:
+    """A Python subprocess of this test run, read line by line with deadlines."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    async def line(self) -> str:
+        """The next line it prints; fails the test if none comes within STEP seconds."""
+        assert self.proc.stdout is not None
+        raw = await _within(self.proc.stdout.readline())
+        assert raw, f"child {self.pid} exited early with {await self.proc.wait()}"
+        return raw.decode().strip()
+
+    async def send(self, text: str) -> None:
+        """Write a line to its stdin."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text.encode() + b"\n")
+        await self.proc.stdin.drain()
+
+    async def finish(self) -> int:
+        """Close its stdin and wait for it to exit; its exit status."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        return await _within(self.proc.wait())
+
+    async def kill(self) -> None:
+        """SIGKILL it and reap it, so its pid no longer runs."""
+        self.proc.kill()
+        await _within(self.proc.wait())
+
+
+@asynccontextmanager
+async def _child(spawned: list[int], script: str, *args: str) -> AsyncIterator[_Child]:
+    """Run ``script`` with ``python -c`` in the repository root; killed on exit if alive."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        script,
+        *args,
+        cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    spawned.append(proc.pid)
+    child = _Child(proc)
+    try:
+        yield child
+    finally:
+        if proc.returncode is None:
+            await child.kill()
+        if proc.stdin is not None:
+            proc.stdin.close()
+        await proc.wait()
+
+
+class TestShm(TransportConformance):
+    """The shm transport, reading in place, passes the conformance suite."""
+
+    @pytest.fixture
+    def transport(self) -> Transport:
+        """A zero-copy shm transport with a small arena, so the suite can fill it."""
+        return ShmTransport(capacity="4MiB")
+
+
+class TestShmCopy(TransportConformance):
+    """The shm transport in copy-out mode passes the conformance suite."""
+
+    @pytest.fixture
+    def transport(self) -> Transport:
+        """A copy-out shm transport with a small arena."""
+        return ShmTransport(capacity=4 * MiB, copy=True)
+
+
+def test_options() -> None:
+    """Options are parsed and checked, and bad ones are TransportErrors that name them."""
+    default = ShmTransport()
+    assert (default.capacity, default.copy) == (DEFAULT_CAPACITY, False)
+    assert (ShmTransport(capacity="8MiB", copy=True).capacity, default.name) == (8 * MiB, "shm")
+    caps = ShmTransport.capabilities
+    assert (caps.bounded, caps.detects_stale, caps.host_local) == (True, True, True)
+    with pytest.raises(TransportError, match="'colour', 'size'"):
+        ShmTransport(colour="blue", size=1)
+    with pytest.raises(TransportError, match="capacity"):
+        ShmTransport(capacity="lots")
+    with pytest.raises(TransportError, match="at least 4096"):
+        ShmTransport(capacity=100)
+    with pytest.raises(TransportError, match="copy"):
+        ShmTransport(copy="yes")
+
+
+async def test_segment_is_created_lazily_reserved_and_named(
+    ends: tuple[ShmSender, ShmReceiver],
+) -> None:
+    """A sender makes no segment until its first put, then one uniquely named segment whose
+    whole size is reserved in /dev/shm."""
+    sender, _ = ends
+    mine = {n for n in list_segments() if _pid_of(n) == os.getpid()}
+    unmade = sender.segment_name
+    assert unmade is None
+    assert {n for n in list_segments() if _pid_of(n) == os.getpid()} == mine
+    await sender.put(_key(), _blob(1, 100), timeout=STEP)
+    name = sender.segment_name
+    assert name is not None
+    assert name.startswith(f"{PREFIX}{os.getpid()}-")
+    assert len(name.rsplit("-", 1)[1]) == 16
+    assert {n for n in list_segments() if _pid_of(n) == os.getpid()} == mine | {name}
+    stat = os.stat(os.path.join(SHM_DIR, name))
+    assert stat.st_blocks * 512 >= 4 * MiB, "the arena was not reserved up front"
+    assert stat.st_mode & 0o777 == 0o600
+
+
+async def test_two_senders_have_distinct_segments() -> None:
+    """Two senders of one edge in one process never share or collide on a segment name."""
+    async with _ends() as (first, _), _ends() as (second, _):
+        await first.put(_key(), _blob(1, 10), timeout=STEP)
+        await second.put(_key(), _blob(2, 10), timeout=STEP)
+        names = {first.segment_name, second.segment_name}
+        assert len(names) == 2
+        assert names <= set(list_segments())
+
+
+async def test_mapping_is_prefaulted(ends: tuple[ShmSender, ShmReceiver]) -> None:
+    """A put into never-touched arena pages takes no page faults: the mapping was pre-faulted."""
+    sender, _ = ends
+    await sender.put(_key(), _blob(0, 64), timeout=STEP)
+    payload = _blob(1, 2 * MiB)  # 512 pages, built (and faulted in) before measuring.
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    await sender.put(_key(1), payload, timeout=STEP)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 64, f"a 2 MiB put into fresh arena pages took {faults} page faults"
+
+
+async def test_no_head_of_line_blocking(ends: tuple[ShmSender, ShmReceiver]) -> None:
+    """While the reader holds one extent, ten times the capacity flows through the rest."""
+    sender, receiver = ends
+    held_desc = await sender.put(_key(), _blob(7, MiB), timeout=STEP)
+    held = await receiver.get(held_desc)
+    for i in range(40):
+        desc = await sender.put(_key(i + 1), _blob(i, MiB), timeout=1.0)
+        got = await receiver.get(desc)
+        assert bytes(got.buffers[0][:1]) * MiB == bytes(got.buffers[0]) == _blob(i, MiB).buffers[0]
+        del got
+        await receiver.release(desc)
+    assert bytes(held.buffers[0]) == _blob(7, MiB).buffers[0]
+    assert sender.occupancy().extents == 1
+    del held
+    await receiver.release(held_desc)
+    assert sender.occupancy().extents == 0
+
+
+async def test_stale_descriptor_after_reuse(ends: tuple[ShmSender, ShmReceiver]) -> None:
+    """Once its slot is reused under a new generation, an old descriptor is refused as stale."""
+    sender, receiver = ends
+    old = await sender.put(_key(), _blob(1, 4096), timeout=STEP)
+    await receiver.get(old)
+    await receiver.release(old)
+    new = await sender.put(_key(1), _blob(2, 4096), timeout=STEP)
+    assert (new.slot, new.offset) == (old.slot, old.offset), "the freed extent was not reused"
+    assert new.generation > old.generation
+    with pytest.raises(TransportError, match="stale descriptor"):
+        await _within(receiver.get(old))
+    got = await receiver.get(new)
+    assert bytes(got.buffers[0]) == _blob(2, 4096).buffers[0]
+    del got
+    await receiver.release(new)
+
+
+async def test_forged_descriptors_are_refused(ends: tuple[ShmSender, ShmReceiver]) -> None:
+    """Descriptors with a bad slot, range, generation, segment, name or host raise
+    TransportError at once, and leave the real extent readable."""
+    sender, receiver = ends
+    desc = await sender.put(_key(), _blob(3, 10_000), timeout=STEP)
+    replace = msgspec.structs.replace
+    forged = {
+        "out of range": replace(desc, slot=10**6),
+        "not an extent": replace(desc, offset=4 * MiB - 64),
+        "do not match": replace(desc, offset=desc.offset + 64 * 1024),
+        "are not an extent": replace(desc, buffer_sizes=(2**40,)),
+        "generation": replace(desc, generation=desc.generation + 1),
+        "does not exist": replace(desc, segment=f"{PREFIX}{os.getpid()}-{'0' * 16}"),
+        "names host 'elsewhere'": replace(desc, host="elsewhere"),
+    }
+    for fragment, bad in forged.items():
+        with pytest.raises(TransportError, match=fragment):
+            await _within(receiver.get(bad), 5.0)
+    wire = msgspec.msgpack.encode(desc)
+    fields = msgspec.msgpack.decode(wire)
+    for index, value in [(2, "../../etc/passwd"), (2, "stagewire-shm-1-x"), (3, -1), (4, 0)]:
+        raw = msgspec.msgpack.encode([*fields[:index], value, *fields[index + 1 :]])
+        with pytest.raises(TransportError, match="bad shm descriptor"):
+            receiver.decode_descriptor(raw)
+    got = await receiver.get(receiver.decode_descriptor(wire))
+    assert bytes(got.buffers[0]) == _blob(3, 10_000).buffers[0]
+    assert receiver.statistics().errors == len(forged) + 4
+    del got
+    await receiver.release(desc)
+
+
+async def test_zero_copy_tensor_pins_its_extent(ends: tuple[ShmSender, ShmReceiver]) -> None:
+    """A tensor decoded in place keeps its extent from reuse after release, until the tensor
+    (and every view of it) is collected."""
+    sender, receiver = ends
+    codec = codec_for(_Frame)
+    want = torch.arange(MiB // 8, dtype=torch.int64)
+    desc = await sender.put(_key(), codec.encode(_Frame(want.clone())), timeout=STEP)
+    got = await receiver.get(desc)
+    assert all(not memoryview(b).readonly for b in got.buffers)
+    tensor = codec.decode(got).tensor
+    # The tensor is the shared memory itself, not a copy of it.
+    assert tensor.data_ptr() == np.frombuffer(got.buffers[0], np.uint8).ctypes.data
+    del got
+    await receiver.release(desc)
+    for r in range(40):  # 10 MiB through a 4 MiB arena, with the tensor's extent held.
+        churn = await sender.put(_key(r + 1), _blob(r, 256 * 1024), timeout=1.0)
+        await receiver.release(churn)
+    assert (receiver.pinned(), sender.occupancy().extents) == (1, 1)
+    assert torch.equal(tensor, want), "the producer reused a pinned extent"
+    part = tensor[10:20]  # A view alone keeps the extent pinned too.
+    del tensor
+    gc.collect()
+    assert (receiver.pinned(), sender.occupancy().extents) == (1, 1)
+    assert part.tolist() == list(range(10, 20))
+    del part
+    gc.collect()
+    assert (receiver.pinned(), sender.occupancy().extents) == (0, 0)
+    with pytest.raises(TransportError, match="stale"):
+        await receiver.get(desc)
+
+
+async def test_copy_mode_frees_the_extent_on_release() -> None:
+    """In copy mode, get copies the payload out and release frees the extent at once."""
+    async with _ends(copy=True) as (sender, receiver):
+        codec = codec_for(_Frame)
+        want = torch.arange(MiB // 8, dtype=torch.int64)
+        desc = await sender.put(_key(), codec.encode(_Frame(want.clone())), timeout=STEP)
+        got = await receiver.get(desc)
+        assert all(isinstance(memoryview(b).obj, bytearray) for b in got.buffers)
+        tensor = codec.decode(got).tensor
+        del got
+        await receiver.release(desc)
+        assert (receiver.pinned(), sender.occupancy().extents) == (0, 0)
+        for r in range(40):
+            churn = await sender.put(_key(r + 1), _blob(r, 1024 * 1024), timeout=1.0)
+            await receiver.release(churn)
+        assert torch.equal(tensor, want)
+
+
+async def test_release_without_get_frees_the_extent(ends: tuple[ShmSender, ShmReceiver]) -> None:
+    """Releasing a descriptor that was never got (a duplicate or aborted chunk) frees it."""
+    sender, receiver = ends
+    desc = await sender.put(_key(), _blob(1, MiB), timeout=STEP)
+    assert sender.occupancy().extents == 1
+    await receiver.release(desc)
+    await receiver.release(desc)
+    assert (sender.occupancy().extents, receiver.pinned()) == (0, 0)
+    with pytest.raises(TransportError, match="stale"):
+        await receiver.get(desc)
+
+
+async def test_exhaustion_fails_at_the_deadline(ends: tuple[ShmSender, ShmReceiver]) -> None:
+    """A put into a full arena raises TransportFull at its deadline, naming the edge, the
+    size, the capacity and what is held; it succeeds again after a release."""
+    sender, receiver = ends
+    held = [await sender.put(_key(i), _blob(i, MiB), timeout=STEP) for i in range(3)]
+    start = time.monotonic()
+    with pytest.raises(TransportFull) as info:
+        await _within(sender.put(_key(3), _blob(3, MiB), timeout=0.3))
+    elapsed = time.monotonic() - start
+    assert 0.3 <= elapsed <= 0.8, f"gave up after {elapsed:.3f}s for a 0.3s deadline"
+    message = str(info.value)
+    for fragment in ("'a->b'", "1 MiB (1048640 bytes)", "4 MiB (4194304 bytes)", "3 unreleased"):
+        assert fragment in message, f"{fragment!r} missing from: {message}"
+    await receiver.release(held.pop())
+    desc = await sender.put(_key(4), _blob(4, MiB), timeout=0.3)
+    for d in [*held, desc]:
+        await receiver.release(d)
+
+
+async def test_put_without_deadline_wakes_on_close() -> None:
+    """A put waiting with no deadline fails with TransportError as soon as the sender closes."""
+    async with _ends() as (sender, receiver):
+        held = [await sender.put(_key(i), _blob(i, MiB), timeout=STEP) for i in range(3)]
+        blocked = asyncio.ensure_future(sender.put(_key(3), _blob(3, MiB), timeout=None))
+        for _ in range(20):
+            await asyncio.sleep(0)  # A scheduling point, so the put starts waiting.
+        assert not blocked.done()
+        await sender.aclose()
+        with pytest.raises(TransportError, match="closed while waiting"):
+            await _within(blocked, 1.0)
+        for d in held:
+            await receiver.release(d)
+
+
+async def test_oversize_payload_fails_at_once(ends: tuple[ShmSender, ShmReceiver]) -> None:
+    """A payload larger than the whole arena fails without waiting, and creates no segment."""
+    sender, _ = ends
+    start = time.monotonic()
+    with pytest.raises(TransportError, match="exceeds the capacity") as info:
+        await _within(sender.put(_key(), _blob(1, 5 * MiB), timeout=60), 5.0)
+    assert not isinstance(info.value, TransportFull)
+    assert time.monotonic() - start < 1.0
+    assert sender.segment_name is None
+
+
+async def test_free_space_is_checked_before_creating() -> None:
+    """Asking for more than /dev/shm has free is a TransportError naming both sizes and what
+    to do, and leaves no segment behind."""
+    before = set(list_segments())
+    capacity = free_space() + 2**30
+    async with _ends(capacity=capacity) as (sender, _):
+        with pytest.raises(TransportError) as info:
+            await _within(sender.put(_key(), _blob(1, 10), timeout=1.0))
+        assert sender.segment_name is None
+    message = str(info.value)
+    assert f"capacity {capacity / 2**30:.4g} GiB ({capacity} bytes)" in message, message
+    assert "is free" in message
+    assert "lower the transport's `capacity` option or enlarge /dev/shm" in message
+    assert set(list_segments()) <= before
+
+
+async def test_closed_or_removed_segment_is_refused(spawned: list[int]) -> None:
+    """Descriptors of a segment its producer closed, or that was removed, are TransportErrors."""
+    async with _ends() as (sender, receiver):
+        first = await sender.put(_key(), _blob(1, 100), timeout=STEP)
+        second = await sender.put(_key(1), _blob(2, 100), timeout=STEP)
+        await receiver.get(first)
+        await receiver.release(first)
+        await sender.aclose()
+        with pytest.raises(TransportError, match="closed by its producer"):
+            await receiver.get(second)
+        assert receiver.pinned() == 0
+    async with _ends() as (sender, receiver):
+        desc = await sender.put(_key(), _blob(1, 100), timeout=STEP)
+        assert remove_segments_of([os.getpid()]) == [sender.segment_name]
+        with pytest.raises(TransportError, match="does not exist"):
+            await receiver.get(desc)
+
+
+async def test_receiver_close_keeps_live_views_valid() -> None:
+    """Closing (and dropping) a receiver whose views are still alive works; the views stay
+    valid, and their extents are freed when they die, released or not."""
+    transport = ShmTransport(capacity="4MiB")
+    edge = EdgeContext(EDGE, host_identity())
+    async with transport.open_sender(edge) as sender:
+        receiver = transport.open_receiver(edge)
+        descs = [await sender.put(_key(i), _blob(i, MiB), timeout=STEP) for i in range(2)]
+        views = [(await receiver.get(d)).buffers[0] for d in descs]
+        await receiver.release(descs[0])
+        await receiver.aclose()
+        await receiver.aclose()
+        with pytest.raises(TransportError, match="closed"):
+            await receiver.get(descs[0])
+        del receiver
+        gc.collect()
+        assert [bytes(v) for v in views] == [_blob(i, MiB).buffers[0] for i in range(2)]
+        assert sender.occupancy().extents == 2
+        del views
+        gc.collect()
+        assert sender.occupancy().extents == 0
+
+
+async def test_unclosed_sender_warns_and_removes_its_segment() -> None:
+    """A sender dropped without aclose warns with a ResourceWarning and unlinks its segment."""
+    sender = ShmTransport(capacity="1MiB").open_sender(EdgeContext(EDGE, host_identity()))
+    await sender.put(_key(), _blob(1, 10), timeout=STEP)
+    name = sender.segment_name
+    with pytest.warns(ResourceWarning, match="never closed"):
+        del sender
+    assert name not in list_segments()
+
+
+async def test_unclosed_receiver_warns_and_gives_back_its_extents() -> None:
+    """A receiver dropped without aclose warns with a ResourceWarning and gives back what it
+    got but never released."""
+    transport = ShmTransport(capacity="1MiB")
+    edge = EdgeContext(EDGE, host_identity())
+    async with transport.open_sender(edge) as sender:
+        receiver = transport.open_receiver(edge)
+        desc = await sender.put(_key(), _blob(1, 1000), timeout=STEP)
+        assert len((await receiver.get(desc)).buffers[0]) == 1000
+        assert sender.occupancy().extents == 1
+        with pytest.warns(ResourceWarning, match="never closed"):
+            del receiver
+        assert sender.occupancy().extents == 0
+
+
+async def test_statistics(ends: tuple[ShmSender, ShmReceiver]) -> None:
+    """Both ends count chunks, bytes, errors and latency under the name shm."""
+    sender, receiver = ends
+    for i in range(3):
+        desc = await sender.put(_key(i), _blob(i, 1000), timeout=STEP)
+        await receiver.get(desc)
+        await receiver.release(desc)
+    with pytest.raises(TransportError):
+        await receiver.get(desc)
+    out, inn = sender.statistics(), receiver.statistics()
+    assert (out.transport, out.chunks, out.bytes, out.fallbacks) == ("shm", 3, 3 * 1006, 0)
+    assert (inn.chunks, inn.bytes, inn.errors) == (3, 3 * 1006, 1)
+    assert out.by_transport == inn.by_transport == {"shm": 3}
+    assert 0 < out.latency_p50_us <= out.latency_p99_us
+
+
+async def test_cross_process_round_trip(spawned: list[int]) -> None:
+    """Payloads put by a producer process are read intact here, and the producer's segment
+    is gone once it closes."""
+    async with _ends() as (_, receiver), _child(spawned, PRODUCER, "5") as producer:
+        descs = [receiver.decode_descriptor(bytes.fromhex(await producer.line())) for _ in range(5)]
+        assert await producer.line() == "ready"
+        theirs = {n for n in list_segments() if _pid_of(n) == producer.pid}
+        assert {d.segment for d in descs} == theirs
+        for i in reversed(range(5)):  # Out of order, as a reorder buffer may.
+            desc = descs[i]
+            got = await receiver.get(desc)
+            assert got.header == b"header %d" % i
+            assert [bytes(b) for b in got.buffers] == [bytes([i]) * (1000 * (i + 1)), b"tail"]
+            del got
+            await receiver.release(desc)
+        assert await producer.finish() == 0
+        assert not [n for n in list_segments() if _pid_of(n) == producer.pid]
+
+
+async def test_sweep_removes_only_dead_owners(spawned: list[int]) -> None:
+    """sweep_dead_owners unlinks the segment of a producer killed with SIGKILL, keeps a live
+    one's, ignores foreign names; remove_segments_of removes a given pid's segments."""
+    async with (
+        _ends() as (local, _),
+        _child(spawned, PRODUCER, "1") as alive,
+        _child(spawned, PRODUCER, "1") as dead,
+    ):
+        await local.put(_key(), _blob(1, 10), timeout=STEP)  # A live segment of this process.
+        segments = {}
+        for child in (alive, dead):
+            desc = msgspec.msgpack.decode(bytes.fromhex(await child.line()), type=ShmDescriptor)
+            segments[child.pid] = desc.segment
+            assert await child.line() == "ready"
+        await dead.kill()
+        assert segments[dead.pid] in list_segments(), "SIGKILL ran no cleanup: it must be swept"
+        # Foreign names and an unfinished segment of a live process are left alone; an
+        # unfinished segment of a dead pid is not.
+        decoys = [f"{PREFIX}decoy-{'0' * 16}", f"{PREFIX}{os.getpid()}-{'1' * 16}x"]
+        young_alive = f"{PREFIX}{os.getpid()}-{'2' * 16}"
+        unfinished_dead = f"{PREFIX}{dead.pid}-{'3' * 16}"
+        _touch([*decoys, young_alive, unfinished_dead])
+        try:
+            removed = sweep_dead_owners()
+            assert segments[dead.pid] in removed
+            assert unfinished_dead in removed
+            kept = {segments[alive.pid], local.segment_name, young_alive, *decoys}
+            assert not kept & set(removed)
+            assert set(os.listdir(SHM_DIR)) >= {*decoys, young_alive}
+        finally:
+            _remove([*decoys, young_alive, unfinished_dead])
+        assert remove_segments_of([alive.pid]) == [segments[alive.pid]]
+        assert segments[alive.pid] not in list_segments()
+        assert await alive.finish() == 0, "closing a sender whose segment was removed failed"
+
+
+async def test_dead_reader_does_not_pin_space(spawned: list[int]) -> None:
+    """An extent held by a consumer killed with SIGKILL is reclaimed by a put waiting for room."""
+    async with _ends() as (sender, _), _child(spawned, CONSUMER) as consumer:
+        desc = await sender.put(_key(), _blob(1, 3 * MiB), timeout=STEP)
+        await consumer.send(msgspec.msgpack.encode(desc).hex())
+        assert await consumer.line() == str(3 * MiB)
+        with pytest.raises(TransportFull):
+            await sender.put(_key(1), _blob(2, 3 * MiB), timeout=0.2)
+        await consumer.kill()
+        start = time.monotonic()
+        await _within(sender.put(_key(2), _blob(3, 3 * MiB), timeout=STEP))
+        assert time.monotonic() - start < 1.0
+        assert sender.occupancy().extents == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 10**6)), max_size=80))
+def test_arena_allocates_without_overlap_and_coalesces(
+    ops: list[tuple[bool, int, int]],
+) -> None:
+    """Any sequence of allocations and frees in any order keeps extents disjoint, accounts
+    every byte, coalesces free runs, and returns to one run once everything is freed."""
+    capacity = 64 * ALIGN
+    arena = Arena(capacity)
+    held: dict[int, int] = {}
+    for allocate, units, pick in ops:
+        if allocate or not held:
+            size = units * ALIGN
+            offset = arena.allocate(size)
+            if offset is None:
+                assert arena.largest_free() < size
+                continue
+            assert offset % ALIGN == 0
+            assert all(offset + size <= o or o + s <= offset for o, s in held.items())
+            held[offset] = size
+        else:
+            offset = sorted(held)[pick % len(held)]
+            arena.free(offset, held.pop(offset))
+        runs = arena.runs()
+        assert arena.free_bytes == capacity - sum(held.values()) == sum(s for _, s in runs)
+        assert all(a + s < b for (a, s), (b, _) in itertools.pairwise(runs))
+    for offset, size in list(held.items()):
+        arena.free(offset, size)
+    assert arena.runs() == [(0, capacity)]
+    with pytest.raises(ValueError, match="freed twice"):
+        arena.free(0, ALIGN)
+
+
+async def test_device_buffers_are_staged_through_the_host(
+    ends: tuple[ShmSender, ShmReceiver],
+) -> None:
+    """A payload whose buffers are still marked as on a device arrives with their bytes."""
+    sender, receiver = ends
+    flat = torch.arange(200, dtype=torch.uint8)
+    encoded = Encoded(b"h", (b"", b"host"), device_buffers={0: flat})
+    desc = await sender.put(_key(), encoded, timeout=STEP)
+    got = await receiver.get(desc)
+    assert [bytes(b) for b in got.buffers] == [bytes(range(200)), b"host"]
+    del got
+    await receiver.release(desc)
