@@ -1,0 +1,320 @@
+"""The producer's end of the shm transport: puts payloads into its own segment's arena."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import warnings
+from typing import Self
+
+from pipeline._encoded import Encoded, to_host
+from pipeline._errors import TransportError, TransportFull
+from pipeline._keys import ChunkKey
+from pipeline._latency import LatencyRecorder
+from transports._protocol import (
+    EdgeContext,
+    TransportStatistics,
+)
+from transports._shm_arena import Arena, align_up
+from transports._shm_descriptor import (
+    LOW32,
+    ShmDescriptor,
+    ShmOccupancy,
+    byte_view,
+    extent_size,
+    slots_for,
+)
+from transports._shm_segment import (
+    SLOT_GEN,
+    SLOT_LENGTH,
+    SLOT_OFFSET,
+    SLOT_READER,
+    SLOT_RELEASED,
+    OwnedSegment,
+    Segment,
+    create_segment,
+    format_size,
+    pid_alive,
+)
+
+__all__ = ("ShmSender",)
+
+# A waiting put polls the consumers' release words: the first look comes soon, since
+# consumers release quickly, and the gap doubles up to a cap, so a long wait costs little
+# CPU and still notices free space within 10 ms.
+_POLL_FIRST_S = 0.0002
+_POLL_MAX_S = 0.01
+# With this few extents held, every put first reclaims what was released, so a steady
+# stream reuses the same warm extents; with more, only a put that finds no room scans.
+_EAGER_RECLAIM = 64
+
+
+class ShmSender:
+    """Producer end: copies each payload into an extent of its own segment's arena."""
+
+    __slots__ = (
+        "_arena",
+        "_capacity",
+        "_closed",
+        "_creating",
+        "_edge",
+        "_free_slots",
+        "_generation",
+        "_held",
+        "_latency",
+        "_segment",
+        "_slot_count",
+        "_wake",
+        "bytes",
+        "chunks",
+        "errors",
+    )
+
+    def __init__(self, edge: EdgeContext, capacity: int) -> None:
+        self._edge = edge
+        self._capacity = capacity
+        self._slot_count = slots_for(capacity)
+        self._segment: OwnedSegment | None = None
+        self._creating: asyncio.Future[OwnedSegment] | None = None
+        self._closed = False
+        self._wake = asyncio.Event()  # Set on close, to wake puts waiting for room.
+        self._arena = Arena(capacity)
+        self._free_slots = list(range(self._slot_count - 1, -1, -1))
+        # slot -> (generation, offset, extent size) of every extent not yet reclaimed.
+        self._held: dict[int, tuple[int, int, int]] = {}
+        self._generation = 0
+        self._latency = LatencyRecorder(1024)
+        self.chunks = 0
+        self.bytes = 0
+        self.errors = 0
+
+    @property
+    def segment_name(self) -> str | None:
+        """The name of this sender's segment under /dev/shm, once the first put made it."""
+        return None if self._segment is None else self._segment.name
+
+    def _error(self, message: str, kind: type[TransportError] = TransportError) -> TransportError:
+        self.errors += 1
+        return kind(f"shm sender for edge {self._edge.edge!r}: {message}")
+
+    async def put(
+        self, key: ChunkKey, encoded: Encoded, *, timeout: float | None = None
+    ) -> ShmDescriptor:
+        """Copy ``encoded`` into a free extent, waiting up to ``timeout`` for room.
+
+        Raises:
+            TransportFull: no room freed up within ``timeout`` (None waits for ever).
+            TransportError: the payload exceeds the whole capacity (at once, without
+                waiting), /dev/shm lacks the space for the segment, or the sender is
+                closed (also while waiting).
+        """
+        started = time.perf_counter_ns()
+        if self._closed:
+            raise self._error("is closed")
+        if encoded.device_buffers:
+            # The runtime stages device buffers through the host for transports that cannot
+            # take them; a caller that did not gets the same treatment here.
+            encoded = to_host(encoded)
+        header = encoded.header
+        views = [byte_view(b) for b in encoded.buffers]
+        sizes = tuple(v.nbytes for v in views)
+        need = extent_size(len(header), sizes)
+        if need > self._capacity:
+            raise self._error(
+                f"{key}: a payload of {format_size(encoded.nbytes)} needs {format_size(need)}, "
+                f"which exceeds the capacity of {format_size(self._capacity)}: raise the "
+                "`capacity` option or send payloads this large another way"
+            )
+        segment = self._segment or await self._open()
+        place = self._allocate(need)
+        if place is None:
+            place = await self._wait_for_room(key, need, timeout)
+        slot, offset = place
+        # The only copy of the payload: memoryview slice assignment is a memcpy.
+        data = segment.data
+        data[offset : offset + len(header)] = header
+        pos = offset + align_up(len(header))
+        for view, n in zip(views, sizes, strict=True):
+            if n:
+                data[pos : pos + n] = view
+            pos += align_up(n)
+        self._generation += 1
+        generation = self._generation
+        base = Segment.slot_base(slot)
+        words = segment.words
+        words[base + SLOT_OFFSET] = offset
+        words[base + SLOT_LENGTH] = need
+        # Last, so a reader that sees this generation also sees where its extent is.
+        words[base + SLOT_GEN] = generation
+        self._held[slot] = (generation, offset, need)
+        self.chunks += 1
+        self.bytes += encoded.nbytes
+        self._latency.add((time.perf_counter_ns() - started) / 1000)
+        return ShmDescriptor(
+            self._edge.host, segment.name, slot, generation, offset, len(header), sizes
+        )
+
+    async def _open(self) -> OwnedSegment:
+        """The segment, created (in a worker thread: reserving and pre-faulting take a while)
+        by the first put that needs it; concurrent puts share the one creation."""
+        creating = self._creating
+        if creating is None:
+            work = asyncio.to_thread(create_segment, self._capacity, self._slot_count)
+            creating = self._creating = asyncio.ensure_future(work)
+            creating.add_done_callback(self._created)
+        try:
+            # Shielded: a cancelled put must not abandon a segment half made.
+            await asyncio.shield(creating)
+        except (TransportError, OSError) as exc:
+            raise self._error(f"cannot create its segment: {exc}") from exc
+        if self._closed or self._segment is None:
+            raise self._error("is closed")
+        return self._segment
+
+    def _created(self, creating: asyncio.Future[OwnedSegment]) -> None:
+        """Adopt a newly created segment, or destroy it if the sender closed meanwhile."""
+        if creating.cancelled() or creating.exception() is not None:
+            self._creating = None  # The next put tries again.
+            return
+        segment = creating.result()
+        if self._closed:
+            segment.destroy()
+        else:
+            self._segment = segment
+
+    def _take(self, need: int) -> tuple[int, int] | None:
+        """A free slot and ``need`` bytes of arena, or None."""
+        if not self._free_slots:
+            return None
+        offset = self._arena.allocate(need)
+        if offset is None:
+            return None
+        return self._free_slots.pop(), offset
+
+    def _allocate(self, need: int) -> tuple[int, int] | None:
+        if len(self._held) > _EAGER_RECLAIM and (place := self._take(need)) is not None:
+            return place
+        self._reclaim()
+        return self._take(need)
+
+    def _reclaim(self, *, dead_readers: bool = False) -> None:
+        """Take back extents their consumer released (or, if asked, whose reader died)."""
+        segment = self._segment
+        if segment is None or not self._held:
+            return
+        words = segment.words
+        done = []
+        alive: dict[int, bool] = {}
+        for slot, (generation, _, _) in self._held.items():
+            base = Segment.slot_base(slot)
+            if words[base + SLOT_RELEASED] == generation:
+                done.append(slot)
+            elif dead_readers:
+                reader = words[base + SLOT_READER]
+                pid = reader & LOW32
+                if pid and reader >> 32 == generation & LOW32:
+                    if pid not in alive:
+                        alive[pid] = pid_alive(pid)
+                    if not alive[pid]:
+                        done.append(slot)
+        for slot in done:
+            _, offset, size = self._held.pop(slot)
+            self._arena.free(offset, size)
+            self._free_slots.append(slot)
+
+    async def _wait_for_room(
+        self, key: ChunkKey, need: int, timeout: float | None
+    ) -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        delay = _POLL_FIRST_S
+        while True:
+            if self._closed:
+                raise self._error(f"{key}: closed while waiting for room")
+            self._reclaim(dead_readers=True)
+            if (place := self._take(need)) is not None:
+                return place
+            now = loop.time()
+            if deadline is not None and now >= deadline:
+                raise self._full(key, need, timeout)
+            # Consumers in other processes cannot wake us; close can.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(
+                    delay if deadline is None else min(delay, deadline - now)
+                ):
+                    await self._wake.wait()
+            delay = min(delay * 2, _POLL_MAX_S)
+
+    def _full(self, key: ChunkKey, need: int, timeout: float | None) -> TransportError:
+        held = sum(size for _, _, size in self._held.values())
+        return self._error(
+            f"{key}: no room for {format_size(need)} within {timeout:g}s; of the arena's "
+            f"{format_size(self._capacity)}, {format_size(held)} is held by {len(self._held)} "
+            f"unreleased extents (largest free run {format_size(self._arena.largest_free())}, "
+            f"{len(self._free_slots)} of {self._slot_count} slots free). The consumer is slow "
+            "or does not release its descriptors: raise `capacity` or release sooner",
+            TransportFull,
+        )
+
+    def occupancy(self) -> ShmOccupancy:
+        """What the arena holds now, after taking back every extent released so far."""
+        self._reclaim()
+        held = sum(size for _, _, size in self._held.values())
+        return ShmOccupancy(len(self._held), held, self._capacity, self._arena.largest_free())
+
+    def statistics(self) -> TransportStatistics:
+        """Chunks and bytes put, errors, put latency (waiting included) in µs, and the
+        extents still held after taking back every one released so far."""
+        lat = self._latency
+        if not self._closed:
+            self._reclaim()
+        return TransportStatistics(
+            "shm",
+            self.chunks,
+            self.bytes,
+            errors=self.errors,
+            latency_p50_us=lat.percentile(50),
+            latency_p99_us=lat.percentile(99),
+            by_transport={"shm": self.chunks},
+            held=len(self._held),
+        )
+
+    async def aclose(self) -> None:
+        """Fail waiting puts, then unlink and unmap the segment; idempotent.
+
+        Consumers that mapped the segment keep reading what they already hold.
+
+        Raises:
+            Nothing: closing twice, or while puts wait, is safe.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        creating = self._creating
+        if creating is not None and not creating.done():
+            # Its done callback destroys the segment, now that we are closed.
+            await asyncio.wait([creating])
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.destroy()
+        self._held.clear()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        segment = getattr(self, "_segment", None)
+        if segment is not None:
+            # Removed before warning: with warnings as errors, warn() raises.
+            segment.destroy()
+            warnings.warn(
+                f"shm sender for edge {self._edge.edge!r} was never closed; its segment "
+                f"{segment.name} was removed. Use `async with` or call aclose().",
+                ResourceWarning,
+                stacklevel=1,
+            )
