@@ -7,6 +7,12 @@ as a view of its own memory, and a writable buffer is decoded without a copy. Be
 record is an extension type, tensors survive fields typed ``Any`` as well as typed ones.
 Nothing is ever pickled.
 
+A CUDA tensor's bytes stay on its device: they go to ``Encoded.device_buffers`` as a flat
+``uint8`` view (its ``buffers`` slot is an empty placeholder), and decoding a payload that
+still carries them views the device bytes as the tensor, with no trip through the host.
+A transport that cannot carry device memory gets the payload after ``to_host``; decoding
+then moves such a tensor back to the device its record names, as before.
+
 torch and numpy are imported lazily, so a stage that moves no tensors never pays for them.
 """
 
@@ -49,7 +55,11 @@ class _CallState(threading.local):
     """The buffers of this thread's call in progress, which msgspec's fixed hooks read here."""
 
     outgoing: list[Buffer] | None = None
+    #: Buffer index to flat CUDA bytes, for the encode in progress; None until a CUDA tensor.
+    outgoing_device: dict[int, Any] | None = None
     incoming: tuple[Buffer, ...] = ()
+    #: The device buffers of the decode in progress; None for a host-only payload.
+    incoming_device: dict[int, Any] | None = None
 
 
 _state = _CallState()
@@ -64,8 +74,13 @@ class _Unencodable(TypeError):
         super().__init__(reason)
 
 
-def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], str, Buffer]:
-    """Describe tensor ``t`` and expose its bytes, copying only when it is not contiguous on CPU."""
+def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], str, Buffer, Any]:
+    """Describe tensor ``t`` and expose its bytes, copying only when it is not contiguous.
+
+    Returns ``(dtype, shape, device, host bytes, device bytes)``: a CUDA tensor's bytes stay
+    on its device as a flat uint8 tensor (the host bytes are then an empty placeholder);
+    any other tensor's are host bytes and the device bytes are None.
+    """
     torch = sys.modules["torch"]
     if t.layout != torch.strided:
         raise _Unencodable(t, f"{t.layout} tensors are not supported")
@@ -74,17 +89,25 @@ def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], str, Buffer]:
     if t.is_meta:
         raise _Unencodable(t, "meta tensors have no data to send")
     device = str(t.device)
+    # is_cuda reads the tensor's device and never initialises CUDA. Other accelerators
+    # (mps, xpu, ...) still go through host memory.
+    on_cuda = t.is_cuda
+    t = t.detach() if on_cuda else t.detach().cpu()
     # resolve_conj and resolve_neg are no-ops unless a lazy bit is set, which view() refuses.
-    t = t.detach().cpu().resolve_conj().resolve_neg()
+    t = t.resolve_conj().resolve_neg()
     # A complex tensor is copied, if at all, as its (real, imag) pairs: the same bytes, and
-    # allocating a complex32 tensor makes torch warn.
+    # allocating a complex32 tensor makes torch warn. On CUDA the copy is queued on the
+    # current stream, which is the stream a device transport orders its hand-off after.
     src = (torch.view_as_real(t) if t.is_complex() else t).contiguous()
     # A contiguous tensor may still carry any stride on a dimension of size 1, which
     # reshape keeps and view refuses; its elements are dense, so as_strided is exact.
+    flat = src.as_strided((src.numel(),), (1,)).view(torch.uint8)
+    dtype, shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
+    if on_cuda:
+        return dtype, shape, device, b"", flat
     # Viewing as uint8 gives numpy a dtype it knows (bfloat16 and float8 have none); the
     # array's base is a tensor sharing the storage, so the buffer keeps the bytes alive.
-    flat = src.as_strided((src.numel(),), (1,)).view(torch.uint8).numpy()
-    return str(t.dtype).removeprefix("torch."), tuple(t.shape), device, memoryview(flat)
+    return dtype, shape, device, memoryview(flat.numpy()), None
 
 
 def _array_bytes(a: Any) -> tuple[str, tuple[int, ...], str, Buffer]:
@@ -105,8 +128,9 @@ def _array_bytes(a: Any) -> tuple[str, tuple[int, ...], str, Buffer]:
 
 def _enc_hook(obj: Any) -> Any:
     """Replace a tensor or array by an extension record and queue its bytes as a buffer."""
+    on_device = None
     if type(obj).__module__.startswith("torch") and isinstance(obj, sys.modules["torch"].Tensor):
-        code, (dtype, shape, device, buf) = _EXT_TENSOR, _tensor_bytes(obj)
+        code, (dtype, shape, device, buf, on_device) = _EXT_TENSOR, _tensor_bytes(obj)
     elif (np := sys.modules.get("numpy")) is not None and isinstance(obj, np.ndarray):
         code, (dtype, shape, device, buf) = _EXT_NDARRAY, _array_bytes(obj)
     elif np is not None and isinstance(obj, np.generic):
@@ -117,6 +141,11 @@ def _enc_hook(obj: Any) -> Any:
     if out is None:
         out = _state.outgoing = []
     out.append(buf)
+    if on_device is not None:
+        held = _state.outgoing_device
+        if held is None:
+            held = _state.outgoing_device = {}
+        held[len(out) - 1] = on_device
     ref = _Ref(dtype, shape, len(out) - 1, device)
     return msgspec.msgpack.Ext(code, _REF_ENCODER.encode(ref))
 
@@ -140,6 +169,23 @@ def _buffer_for(ref: _Ref, itemsize: int) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def _device_tensor(flat: Any, ref: _Ref, dtype: Any, uint8: Any) -> Any:
+    """View the flat uint8 device bytes ``flat`` as the tensor ``ref`` describes, in place.
+
+    The tensor stays on the device the transport put the bytes on, which for ``cuda_ipc`` is
+    the consumer's own index of the producer's GPU and may differ from ``ref.device``.
+    """
+    expected = math.prod(ref.shape) * dtype.itemsize
+    if flat.dtype != uint8 or flat.dim() != 1 or not flat.is_contiguous():
+        raise PayloadError(f"device buffer {ref.index} is not a flat contiguous uint8 tensor")
+    if flat.numel() != expected:
+        raise PayloadError(
+            f"device buffer {ref.index} holds {flat.numel()} bytes but a {ref.dtype} tensor "
+            f"of shape {ref.shape} needs {expected}"
+        )
+    return flat.view(dtype).reshape(ref.shape)
+
+
 def _decode_tensor(ref: _Ref) -> Any:
     """Rebuild the tensor ``ref`` describes, on the device it was sent from."""
     import torch
@@ -147,6 +193,12 @@ def _decode_tensor(ref: _Ref) -> Any:
     dtype = getattr(torch, ref.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise PayloadError(f"unknown tensor dtype {ref.dtype!r}")
+    # A host-only payload pays one attribute read here; only device payloads look further.
+    device_buffers = _state.incoming_device
+    if device_buffers is not None:
+        flat = device_buffers.get(ref.index)
+        if flat is not None:
+            return _device_tensor(flat, ref, dtype, torch.uint8)
     view = _buffer_for(ref, dtype.itemsize)
     # frombuffer refuses empty buffers; an empty uint8 tensor viewed as ``dtype`` also avoids
     # allocating dtypes (complex32) whose constructors warn.
@@ -269,6 +321,8 @@ class PayloadCodec(Generic[T]):
     def encode(self, value: T) -> Encoded:
         """Encode ``value``, sharing the memory of contiguous CPU tensors and arrays.
 
+        A CUDA tensor's bytes stay on its device, in ``device_buffers``.
+
         Raises:
             PayloadError: ``value`` is not of the declared type, or holds an object that
                 cannot be encoded (the message names where).
@@ -281,19 +335,26 @@ class PayloadCodec(Generic[T]):
         try:
             header = _ENCODER.encode(value)
         except (TypeError, ValueError, OverflowError) as e:
-            _state.outgoing = None
+            _state.outgoing = _state.outgoing_device = None
             raise _encode_error(value, e) from e
         except BaseException:
-            _state.outgoing = None
+            _state.outgoing = _state.outgoing_device = None
             raise
         out = _state.outgoing
         if out is None:
             return Encoded(header)
         _state.outgoing = None
-        return Encoded(header, tuple(out))
+        on_device = _state.outgoing_device
+        if on_device is None:
+            return Encoded(header, tuple(out))
+        _state.outgoing_device = None
+        return Encoded(header, tuple(out), device_buffers=on_device)
 
     def decode(self, encoded: Encoded) -> T:
         """Decode ``encoded`` as the declared type, sharing writable buffers' memory.
+
+        Tensors whose bytes are in ``encoded.device_buffers`` are views of those device
+        tensors: no copy, and they keep the device memory alive.
 
         Raises:
             PayloadError: the header is malformed, a buffer is missing or of the wrong size,
@@ -304,6 +365,9 @@ class PayloadCodec(Generic[T]):
         # since every decode that sets it clears it again.
         if buffers:
             _state.incoming = buffers
+            device_buffers = encoded.device_buffers
+            if device_buffers:
+                _state.incoming_device = device_buffers
         try:
             return self._decoder.decode(encoded.header)
         except msgspec.ValidationError as e:
@@ -316,6 +380,7 @@ class PayloadCodec(Generic[T]):
         finally:
             if buffers:
                 _state.incoming = ()
+                _state.incoming_device = None
 
     def _name(self) -> str:
         return self._check.__qualname__ if self._check is not None else repr(self.type)

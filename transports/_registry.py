@@ -23,6 +23,7 @@ AUTO = "auto"
 BUILTIN: dict[str, str] = {
     "inline": "transports.inline:InlineTransport",
     "shm": "transports.shm:ShmTransport",
+    "cuda_ipc": "transports.cuda_ipc:CudaIpcTransport",
 }
 
 

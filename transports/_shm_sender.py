@@ -104,10 +104,11 @@ class ShmSender:
         """Copy ``encoded`` into a free extent, waiting up to ``timeout`` for room.
 
         Raises:
-            TransportFull: no room freed up within ``timeout`` (None waits for ever).
-            TransportError: the payload exceeds the whole capacity (at once, without
-                waiting), /dev/shm lacks the space for the segment, or the sender is
-                closed (also while waiting).
+            TransportFull: no room freed up within ``timeout`` (None waits for ever), or
+                there will never be room: the payload exceeds the whole capacity, or
+                /dev/shm lacks the space for the segment (both at once, without waiting).
+                ``auto`` edges fall back to another transport on it.
+            TransportError: the sender is closed (also while waiting).
         """
         started = time.perf_counter_ns()
         if self._closed:
@@ -124,7 +125,8 @@ class ShmSender:
             raise self._error(
                 f"{key}: a payload of {format_size(encoded.nbytes)} needs {format_size(need)}, "
                 f"which exceeds the capacity of {format_size(self._capacity)}: raise the "
-                "`capacity` option or send payloads this large another way"
+                "`capacity` option or send payloads this large another way",
+                TransportFull,
             )
         segment = self._segment or await self._open()
         place = self._allocate(need)
@@ -167,7 +169,7 @@ class ShmSender:
             # Shielded: a cancelled put must not abandon a segment half made.
             await asyncio.shield(creating)
         except (TransportError, OSError) as exc:
-            raise self._error(f"cannot create its segment: {exc}") from exc
+            raise self._error(f"cannot create its segment: {exc}", TransportFull) from exc
         if self._closed or self._segment is None:
             raise self._error("is closed")
         return self._segment

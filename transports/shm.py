@@ -52,7 +52,7 @@ __all__ = (
 )
 
 #: The arena size of a sender when the edge's options name none.
-DEFAULT_CAPACITY = 256 * 2**20
+DEFAULT_CAPACITY = 128 * 2**20
 _MIN_CAPACITY = 4096
 _OPTIONS = ("capacity", "copy")
 
@@ -62,7 +62,7 @@ class ShmTransport:
 
     Args:
         capacity: the arena size of each sender, in bytes or as a size string
-            (``"256MiB"``). Its segment reserves this much of /dev/shm up front.
+            (``"128MiB"``, the default). Its segment reserves this much of /dev/shm up front.
         copy: copy payloads out on ``get`` instead of handing out views into shared memory.
 
     Raises:
@@ -79,7 +79,7 @@ class ShmTransport:
         if unknown:
             raise TransportError(
                 f"the shm transport has no option {', '.join(map(repr, unknown))}; it takes "
-                '`capacity` (bytes, such as 268435456 or "256MiB") and `copy` (true or false)'
+                '`capacity` (bytes, such as 134217728 or "128MiB") and `copy` (true or false)'
             )
         raw = options.get("capacity", DEFAULT_CAPACITY)
         try:

@@ -173,3 +173,17 @@ async def test_kill_9_leaves_no_segment(victim: str) -> None:
 
 async def _have(found: list[str]) -> bool:
     return bool(found)
+
+
+async def test_auto_falls_back_when_shm_cannot_take_a_payload() -> None:
+    """On auto, a payload larger than the shm arena goes inline instead, counted as a
+    fallback, and the stream still arrives whole and in order."""
+    sizes = [512, 96 * 1024]
+    spec = _spec(transport={"kind": "auto", "options": {"shm": {"capacity": "64KiB"}}}, sizes=sizes)
+    async with Pipeline(spec) as pipe:
+        results = await asyncio.gather(*(pipe.submit(Text("")) for _ in range(10)))
+        assert results == [_expected(sizes=sizes)] * 10
+        stats = await pipe.statistics()
+    (out,) = [o for r in stats["replicas"] for o in r["outputs"] if o["edge"] == "source->sink"]
+    assert out["used"] == {"inline": 10 * CHUNKS}, out["used"]
+    assert out["fallbacks"] == 10 * CHUNKS // 2
