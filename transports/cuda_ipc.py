@@ -39,14 +39,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pipeline._errors import ConfigError
 from pipeline._units import parse_byte_size
 from transports._cuda_descriptor import CudaIpcDescriptor, DeviceRef, DeviceSpan
 from transports._cuda_handles import check_start_method
 from transports._cuda_receiver import CudaIpcReceiver
 from transports._cuda_sender import CudaIpcSender
 from transports._protocol import EdgeContext, Transport, TransportCapabilities
-from transports._registry import create_transport, resolve_transport
+from transports._registry import create_transport
 
 __all__ = (
     "DEFAULT_CAPACITY",
@@ -66,20 +65,14 @@ DEFAULT_SLOTS = 4096
 _DEFAULT_LINGER_S = 2.0
 
 
+#: The shm arena of a cuda_ipc sender, when ``shm_options`` name no capacity: it carries
+#: headers and the odd CPU tensor, while the bulk stays on the GPU.
+DEFAULT_HOST_CAPACITY = 32 * 2**20
+
+
 def _host_transport(options: Mapping[str, Any]) -> Transport:
-    """The transport for host buffers: ``shm``, or inline until shm is registered."""
-    try:
-        resolve_transport("shm")
-    except ConfigError:
-        # Until the shm transport is registered, host buffers ride inline. The release
-        # table still makes this transport bounded and stale-detecting; only the copy
-        # into the envelope differs. Remove this fallback once "shm" is registered.
-        if options:
-            raise TypeError(
-                f"shm_options {sorted(options)} were given, but no shm transport is installed"
-            ) from None
-        return create_transport("inline")
-    return create_transport("shm", dict(options))
+    """The shm transport that carries host buffers (headers and CPU tensors)."""
+    return create_transport("shm", {"capacity": DEFAULT_HOST_CAPACITY, **options})
 
 
 class CudaIpcTransport:
