@@ -167,11 +167,15 @@ class ShmSender:
             creating.add_done_callback(self._created)
         try:
             # Shielded: a cancelled put must not abandon a segment half made.
-            await asyncio.shield(creating)
+            segment = await asyncio.shield(creating)
         except (TransportError, OSError) as exc:
             raise self._error(f"cannot create its segment: {exc}", TransportFull) from exc
-        if self._closed or self._segment is None:
+        if self._closed:
             raise self._error("is closed")
+        # Adopted here as well as in the done callback: a put that finds the creation
+        # already finished gets here before that callback has run.
+        if self._segment is None:
+            self._segment = segment
         return self._segment
 
     def _created(self, creating: asyncio.Future[OwnedSegment]) -> None:
@@ -182,7 +186,7 @@ class ShmSender:
         segment = creating.result()
         if self._closed:
             segment.destroy()
-        else:
+        elif self._segment is None:
             self._segment = segment
 
     def _take(self, need: int) -> tuple[int, int] | None:
