@@ -103,7 +103,10 @@ class SocketReader:
             try:
                 self._on_message(frames)
             except Exception as exc:
-                self._on_error(exc, frames)
+                # A failing error handler must not stop the reader either: ZMQ's descriptor
+                # is edge-triggered, so input left queued now would never wake us again.
+                with contextlib.suppress(Exception):
+                    self._on_error(exc, frames)
         self.kick()
 
     def stop(self) -> None:

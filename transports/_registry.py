@@ -24,6 +24,7 @@ BUILTIN: dict[str, str] = {
     "inline": "transports.inline:InlineTransport",
     "shm": "transports.shm:ShmTransport",
     "cuda_ipc": "transports.cuda_ipc:CudaIpcTransport",
+    "network": "transports.network:NetworkTransport",
 }
 
 
