@@ -28,8 +28,8 @@ from tests.stages.conftest import encoded, reference
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-#: The transports every edge is run over; the transport work adds shm and network here.
-TRANSPORTS = ["inline", "auto"]
+#: The transports every edge is run over, each in its own pipeline: the outputs must not change.
+TRANSPORTS = ["inline", "shm", "network", "cuda_ipc", "auto"]
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-vlm.yaml"
 SEED = 2024
 _DECODE_PARAMS = PipelineSpec.from_yaml(CONFIG).stages["decode"].params
@@ -93,6 +93,8 @@ def _spec(transport: str, cache: Path) -> PipelineSpec:
     """configs/tiny-vlm.yaml with every edge on ``transport`` and weights from ``cache``."""
     data: dict[str, Any] = PipelineSpec.from_yaml(CONFIG).to_dict()
     data["defaults"]["transport"] = {"kind": transport}
+    for edge in data["edges"]:
+        edge["transport"] = {"kind": transport}
     for stage in data["stages"].values():
         stage["env"] = {"STAGEWIRE_CACHE_DIR": str(cache)}
     return PipelineSpec.from_dict(data)
