@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-text test lint bench clean install
+.PHONY: demo demo-text test lint bench bench-transports clean install
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ demo-text: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/hops.py
+
+# Every transport by payload size; the plot and the Ray baseline need the bench extra.
+bench-transports: $(STAMP)
+	$(BIN)/python benchmarks/transports.py --plot benchmarks/transports.png
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
