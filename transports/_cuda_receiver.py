@@ -15,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any, Self
+from typing import Any
 
 from pipeline._encoded import DECODE_ERRORS, Encoded
 from pipeline._errors import TransportError
@@ -31,6 +31,7 @@ from transports._cuda_handles import OPENED, OPENED_EVENTS, local_device, requir
 from transports._cuda_release_table import ReleaseTable, SlotState, pid_namespace
 from transports._cuda_sender import LOCAL
 from transports._protocol import Descriptor, EdgeContext, Transport, TransportStatistics
+from transports._resource import AsyncResource
 
 __all__ = ("CudaIpcReceiver",)
 
@@ -50,7 +51,7 @@ class _Pin:
         self.released = False
 
 
-class CudaIpcReceiver:
+class CudaIpcReceiver(AsyncResource):
     """Consumer end: maps device buffers in place, reads host buffers through shm."""
 
     def __init__(self, edge: EdgeContext, host: Transport, host_options: Mapping[str, Any]) -> None:
@@ -278,9 +279,3 @@ class CudaIpcReceiver:
         self._tables.clear()
         with contextlib.suppress(TransportError):
             await self._host.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()

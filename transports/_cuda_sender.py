@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
 import structlog
 
@@ -39,6 +39,7 @@ from transports._cuda_descriptor import (
 from transports._cuda_handles import EXPORTS, EventPool, PooledEvent, device_uuid, require_cuda
 from transports._cuda_release_table import ReleaseTable, pid_alive, pid_namespace
 from transports._protocol import EdgeContext, Transport, TransportStatistics
+from transports._resource import AsyncResource
 
 __all__ = ("LOCAL", "CudaIpcSender")
 
@@ -123,7 +124,7 @@ def _linger_at_exit() -> None:
         time.sleep(0.01)
 
 
-class CudaIpcSender:
+class CudaIpcSender(AsyncResource):
     """Producer end: exports device buffers, sends host buffers through shm, holds both."""
 
     def __init__(
@@ -448,9 +449,3 @@ class CudaIpcSender:
                 table.close()
         with contextlib.suppress(TransportError):
             await self._host.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Self
 
 import msgspec
 
@@ -35,6 +34,7 @@ from transports._network_wire import (
     is_express,
 )
 from transports._protocol import Descriptor, EdgeContext, TransportStatistics
+from transports._resource import AsyncResource
 
 __all__ = ("NetworkReceiver",)
 
@@ -45,7 +45,7 @@ _REMEMBER = 16_384
 _descriptor_decoder = msgspec.msgpack.Decoder(NetworkDescriptor)
 
 
-class NetworkReceiver:
+class NetworkReceiver(AsyncResource):
     """The consumer's end of a network edge: fetches payloads from producers' endpoints.
 
     Args:
@@ -346,12 +346,6 @@ class NetworkReceiver:
         self._conns.clear()
         self._fetches.clear()
         self._taken.clear()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return (

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-from typing import Self
 
 from pipeline._encoded import Buffer, Encoded
 from pipeline._errors import TransportError
@@ -25,6 +24,7 @@ from transports._network_wire import (
     is_express,
 )
 from transports._protocol import EdgeContext, TransportStatistics
+from transports._resource import AsyncResource
 
 __all__ = ("NetworkSender",)
 
@@ -32,7 +32,7 @@ __all__ = ("NetworkSender",)
 _POOL_KEEP = 256 * 2**20
 
 
-class NetworkSender:
+class NetworkSender(AsyncResource):
     """The producer's end of a network edge: holds payloads for receivers to fetch.
 
     Args:
@@ -164,12 +164,6 @@ class NetworkSender:
             self._server.close()
         # Blocks handed to ZMQ are never reused now: the pool goes with the sender.
         self._pool.clear()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return (

@@ -8,7 +8,6 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Self
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from transports._protocol import (
     EdgeContext,
     TransportStatistics,
 )
+from transports._resource import AsyncResource
 from transports._shm_arena import ALIGN, align_up
 from transports._shm_descriptor import (
     DESCRIPTOR_DECODER,
@@ -103,7 +103,7 @@ class _PinTable:
                 segment.close()
 
 
-class ShmReceiver:
+class ShmReceiver(AsyncResource):
     """Consumer end: maps producers' segments and reads extents in place (or copies them)."""
 
     __slots__ = (
@@ -358,12 +358,6 @@ class ShmReceiver:
         """
         if not self._closed:
             self._close_now()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def __del__(self) -> None:
         if getattr(self, "_closed", True) or not (self._attachments or self._table.pins):

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import time
 import warnings
-from typing import Self
 
 from pipeline._encoded import Encoded, to_host
 from pipeline._errors import TransportError, TransportFull
@@ -16,6 +15,7 @@ from transports._protocol import (
     EdgeContext,
     TransportStatistics,
 )
+from transports._resource import AsyncResource
 from transports._shm_arena import Arena, align_up
 from transports._shm_descriptor import (
     LOW32,
@@ -50,7 +50,7 @@ _POLL_MAX_S = 0.01
 _EAGER_RECLAIM = 64
 
 
-class ShmSender:
+class ShmSender(AsyncResource):
     """Producer end: copies each payload into an extent of its own segment's arena."""
 
     __slots__ = (
@@ -306,12 +306,6 @@ class ShmSender:
         if segment is not None:
             segment.destroy()
         self._held.clear()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def __del__(self) -> None:
         segment = getattr(self, "_segment", None)

@@ -6,7 +6,7 @@ descriptor can be read any number of times. ``auto`` picks it for small payloads
 
 from __future__ import annotations
 
-from typing import ClassVar, Self
+from typing import ClassVar
 
 import msgspec
 
@@ -19,6 +19,7 @@ from transports._protocol import (
     TransportCapabilities,
     TransportStatistics,
 )
+from transports._resource import AsyncResource
 
 __all__ = ("InlineDescriptor", "InlineReceiver", "InlineSender", "InlineTransport")
 
@@ -33,7 +34,7 @@ class InlineDescriptor(Descriptor, frozen=True, tag="inline", array_like=True):
 _decoder = msgspec.msgpack.Decoder(InlineDescriptor)
 
 
-class _InlineEnd:
+class _InlineEnd(AsyncResource):
     """What both inline ends share: counters, closing, and the context-manager protocol."""
 
     __slots__ = ("_closed", "_edge", "bytes", "chunks")
@@ -64,12 +65,6 @@ class _InlineEnd:
             Nothing.
         """
         self._closed = True
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 class InlineSender(_InlineEnd):
