@@ -1285,7 +1285,20 @@ def main(argv: list[str] | None = None) -> int:
         "entry point or import path (mypkg.rdma:RdmaTransport)",
     )
     p.add_argument("--no-ray", action="store_true", help="skip the Ray baseline")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="TRANSPORT.KEY=JSON",
+        help="a transport option, e.g. network.copy_on_put=false (repeatable)",
+    )
     args = p.parse_args(argv)
+    for item in args.option:
+        target, _, value = item.partition("=")
+        name, _, key = target.partition(".")
+        if not (name and key and value):
+            p.error(f"--option {item!r}: expected TRANSPORT.KEY=JSON")
+        TRANSPORT_OPTIONS.setdefault(name, {})[key] = json.loads(value)
     # SIGTERM unwinds like Ctrl-C, so every finally block stops what this run started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
