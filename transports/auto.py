@@ -7,8 +7,10 @@ The order is fixed by the design:
 3. shm, if both ends share a host;
 4. network otherwise.
 
-A choice is only made among transports that are installed; until the others land, every
-payload that cannot go by an installed transport goes inline, counted as a fallback.
+A choice is only made among the built-in transports that are registered; a payload that
+none of them can take goes inline, counted as a fallback. A chosen transport that stays
+full past the edge's ``full_timeout`` also sends its payload to the edge's fallback
+(inline unless configured), counted the same way.
 """
 
 from __future__ import annotations
