@@ -28,8 +28,9 @@ from transports._cuda_descriptor import (
 )
 from transports._cuda_dlpack import wrap_memory
 from transports._cuda_handles import OPENED, OPENED_EVENTS, local_device, require_cuda
-from transports._cuda_release_table import ReleaseTable, SlotState, pid_namespace
+from transports._cuda_release_table import ReleaseTable, SlotState
 from transports._cuda_sender import LOCAL
+from transports._liveness import pid_namespace
 from transports._protocol import Descriptor, EdgeContext, Transport, TransportStatistics
 from transports._resource import AsyncResource
 

@@ -34,13 +34,12 @@ from enum import Enum
 from pathlib import Path
 
 from pipeline._errors import TransportError
+from transports._liveness import pid_alive, pid_namespace
 
 __all__ = (
     "NAME_PATTERN",
     "ReleaseTable",
     "SlotState",
-    "pid_alive",
-    "pid_namespace",
     "sweep_dead_tables",
 )
 
@@ -67,27 +66,6 @@ class SlotState(Enum):
     LIVE = "live"
     RELEASED = "released"
     STALE = "stale"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists in this pid namespace (another user's counts)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def pid_namespace() -> int:
-    """An identifier of this process's pid namespace (0 when it cannot be read)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
 
 
 _swept = False

@@ -37,7 +37,8 @@ from transports._cuda_descriptor import (
     host_edge,
 )
 from transports._cuda_handles import EXPORTS, EventPool, PooledEvent, device_uuid, require_cuda
-from transports._cuda_release_table import ReleaseTable, pid_alive, pid_namespace
+from transports._cuda_release_table import ReleaseTable
+from transports._liveness import pid_alive, pid_namespace
 from transports._protocol import EdgeContext, Transport, TransportStatistics
 from transports._resource import AsyncResource
 

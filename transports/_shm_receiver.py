@@ -14,6 +14,7 @@ import numpy as np
 from pipeline._encoded import DECODE_ERRORS, Buffer, Encoded
 from pipeline._errors import TransportError
 from pipeline._latency import LatencyRecorder
+from transports._liveness import pid_namespace
 from transports._protocol import (
     Descriptor,
     EdgeContext,
@@ -35,7 +36,6 @@ from transports._shm_segment import (
     SLOT_RELEASED,
     Segment,
     attach_segment,
-    pid_namespace,
     segment_exists,
 )
 

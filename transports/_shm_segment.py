@@ -41,6 +41,7 @@ import time
 from collections.abc import Iterable
 
 from pipeline._errors import TransportError
+from transports._liveness import pid_alive, pid_namespace
 from transports._shm_arena import align_up
 
 __all__ = (
@@ -61,8 +62,6 @@ __all__ = (
     "create_segment",
     "format_size",
     "list_segments",
-    "pid_alive",
-    "pid_namespace",
     "remove_segments_of",
     "segment_exists",
     "sweep_dead_owners",
@@ -98,42 +97,6 @@ def format_size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.4g} {unit} ({n} bytes)"
     return f"{n} bytes"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs in this pid namespace (a zombie does not)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # It exists, under another user.
-    # os.kill finds zombies too, but a zombie has exited and holds no mapping.
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return True
-    # The command name is parenthesised and may hold spaces: the state follows the last ")".
-    return stat.rpartition(b")")[2].split()[:1] != [b"Z"]
-
-
-_pidns: tuple[int, int] | None = None
-
-
-def pid_namespace() -> int:
-    """An identifier of this process's pid namespace (0 when it cannot be read)."""
-    global _pidns
-    pid = os.getpid()
-    if _pidns is None or _pidns[0] != pid:
-        try:
-            ns = os.stat("/proc/self/ns/pid").st_ino
-        except OSError:
-            ns = 0
-        _pidns = (pid, ns)
-    return _pidns[1]
 
 
 def _path(name: str) -> str:

@@ -11,6 +11,7 @@ from pipeline._encoded import Encoded, to_host
 from pipeline._errors import TransportError, TransportFull
 from pipeline._keys import ChunkKey
 from pipeline._latency import LatencyRecorder
+from transports._liveness import pid_alive
 from transports._protocol import (
     EdgeContext,
     TransportStatistics,
@@ -35,7 +36,6 @@ from transports._shm_segment import (
     Segment,
     create_segment,
     format_size,
-    pid_alive,
 )
 
 __all__ = ("ShmSender",)
