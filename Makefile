@@ -42,7 +42,7 @@ bench: $(STAMP)
 
 # Every transport by payload size; the plot and the Ray baseline need the bench extra.
 bench-transports: $(STAMP)
-	$(BIN)/python benchmarks/transports.py --plot benchmarks/transports.png
+	$(BIN)/python benchmarks/transport_bench.py --plot benchmarks/transports.png
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,4 +1,4 @@
-"""Stages and child-process helpers of ``benchmarks/transports.py``.
+"""Stages and child-process helpers of ``benchmarks/transport_bench.py``.
 
 Worker processes import this module as ``benchmarks.transport_stages``, and the
 ``multiprocessing`` baseline's spawned child imports :func:`mp_echo` from it, so it stays

@@ -273,7 +273,9 @@ class StageActor:
                 kwargs: dict[str, Any] = {}
                 for param, edge in self.plan.inputs.items():
                     if param in self._stream_params:
-                        kwargs[param] = Stream(functools.partial(self._next, req, edge.name))
+                        channel = self._inputs_by_edge[edge.name][1]
+                        inflow = req.inflows[edge.name]
+                        kwargs[param] = Stream(functools.partial(channel.next, inflow))
                     else:
                         kwargs[param] = await self._single(req, edge)
                 await self._produce(req, ctx, kwargs)

@@ -316,7 +316,7 @@ class ShmReceiver(AsyncResource):
         return len(self._table.pins)
 
     def statistics(self) -> TransportStatistics:
-        """Chunks and bytes got, errors, and get latency in µs."""
+        """Chunks and bytes got, errors, get latency in µs, and the extents still pinned."""
         lat = self._latency
         return TransportStatistics(
             "shm",
@@ -326,6 +326,7 @@ class ShmReceiver(AsyncResource):
             latency_p50_us=lat.percentile(50),
             latency_p99_us=lat.percentile(99),
             by_transport={"shm": self.chunks},
+            held=self.pinned(),
         )
 
     def _close_now(self) -> None:

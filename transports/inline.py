@@ -81,6 +81,14 @@ class InlineSender(_InlineEnd):
         Raises:
             TransportError: the sender is closed.
         """
+        return self.wrap(encoded)
+
+    def wrap(self, encoded: Encoded) -> InlineDescriptor:
+        """What :meth:`put` returns, without a coroutine: the runtime sends small chunks so.
+
+        Raises:
+            TransportError: the sender is closed.
+        """
         self._count(encoded)
         return InlineDescriptor(encoded.header, [bytes(b) for b in encoded.buffers])
 
@@ -104,6 +112,15 @@ class InlineReceiver(_InlineEnd):
 
     async def get(self, descriptor: Descriptor) -> Encoded:
         """Return the payload the descriptor carries.
+
+        Raises:
+            TransportError: the descriptor is not an inline one, or the receiver is closed.
+        """
+        return self.take(descriptor)
+
+    def take(self, descriptor: Descriptor) -> Encoded:
+        """What :meth:`get` returns, without a coroutine: an inline payload never waits,
+        and the runtime reads small streamed chunks this way.
 
         Raises:
             TransportError: the descriptor is not an inline one, or the receiver is closed.

@@ -1,4 +1,4 @@
-"""Smoke test of ``benchmarks/transports.py``: a tiny run produces tables, numbers and baselines.
+"""Smoke test of ``benchmarks/transport_bench.py``: a tiny run gives tables, numbers, baselines.
 
 It runs the benchmark as a user would (a subprocess from the repository root) with
 ``--smoke``: sizes 1 KiB and 64 KiB, one short trial, no Ray, every transport that is
@@ -29,7 +29,7 @@ def test_smoke_run_reports_transports_and_baselines(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            "benchmarks/transports.py",
+            "benchmarks/transport_bench.py",
             "--smoke",
             "--json",
             str(out_json),

@@ -2,7 +2,7 @@
 
 Run from the repository root (worker processes import ``benchmarks.transport_stages``)::
 
-    .venv/bin/python benchmarks/transports.py [--quick] [--json OUT] [--plot OUT.png]
+    .venv/bin/python benchmarks/transport_bench.py [--quick] [--json OUT] [--plot OUT.png]
         [--sizes 1KiB,16MiB] [--transports inline,shm] [--no-ray]
 
 The markdown report goes to stdout, progress (and the workers' logs) to stderr. A full run
@@ -83,6 +83,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# This module is not named transports.py: run as a script, its folder leads sys.path, and a
+# benchmarks/transports.py would shadow the transports package for every import below.
 if str(ROOT) not in sys.path:
     # Workers inherit the parent's sys.path, so they find ``benchmarks.transport_stages``.
     sys.path.insert(0, str(ROOT))
