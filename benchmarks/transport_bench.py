@@ -830,7 +830,7 @@ async def transport_two_process(cfg: Config, name: str) -> dict[str, Any]:
     options = TRANSPORT_OPTIONS.get(name) or {}
     p2c_r, p2c_w = os.pipe()
     c2p_r, c2p_w = os.pipe()
-    code = "from benchmarks.transports import producer_main; producer_main()"
+    code = "from benchmarks.transport_bench import producer_main; producer_main()"
     out: dict[str, Any] = {}
     with hops._children() as procs:
         try:
