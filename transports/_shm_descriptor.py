@@ -8,8 +8,10 @@ from typing import Annotated
 import msgspec
 
 from pipeline._encoded import Buffer
+from pipeline._latency import LatencyRecorder
 from transports._protocol import (
     Descriptor,
+    TransportStatistics,
 )
 from transports._shm_arena import ALIGN, align_up
 from transports._shm_segment import (
@@ -24,6 +26,7 @@ __all__ = (
     "byte_view",
     "extent_size",
     "slots_for",
+    "statistics",
 )
 
 #: The low 32 bits of a slot word: a reader's pid, or the part of a generation stored with it.
@@ -91,3 +94,19 @@ def extent_size(header_size: int, buffer_sizes: tuple[int, ...]) -> int:
 def slots_for(capacity: int) -> int:
     """Slot-table size: one slot per 4 KiB of arena, within [64, 16384]."""
     return max(64, min(capacity // 4096, 16384))
+
+
+def statistics(
+    chunks: int, nbytes: int, errors: int, latency: LatencyRecorder, held: int
+) -> TransportStatistics:
+    """The counters either end of the shm transport reports, as one frozen snapshot."""
+    return TransportStatistics(
+        "shm",
+        chunks,
+        nbytes,
+        errors=errors,
+        latency_p50_us=latency.percentile(50),
+        latency_p99_us=latency.percentile(99),
+        by_transport={"shm": chunks},
+        held=held,
+    )

@@ -27,6 +27,7 @@ from transports._shm_descriptor import (
     LOW32,
     ShmDescriptor,
     extent_size,
+    statistics,
 )
 from transports._shm_segment import (
     SLOT_GEN,
@@ -317,17 +318,7 @@ class ShmReceiver(AsyncResource):
 
     def statistics(self) -> TransportStatistics:
         """Chunks and bytes got, errors, get latency in µs, and the extents still pinned."""
-        lat = self._latency
-        return TransportStatistics(
-            "shm",
-            self.chunks,
-            self.bytes,
-            errors=self.errors,
-            latency_p50_us=lat.percentile(50),
-            latency_p99_us=lat.percentile(99),
-            by_transport={"shm": self.chunks},
-            held=self.pinned(),
-        )
+        return statistics(self.chunks, self.bytes, self.errors, self._latency, self.pinned())
 
     def _close_now(self) -> None:
         table = self._table

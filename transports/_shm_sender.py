@@ -25,6 +25,7 @@ from transports._shm_descriptor import (
     byte_view,
     extent_size,
     slots_for,
+    statistics,
 )
 from transports._shm_segment import (
     SLOT_GEN,
@@ -272,19 +273,9 @@ class ShmSender(AsyncResource):
     def statistics(self) -> TransportStatistics:
         """Chunks and bytes put, errors, put latency (waiting included) in µs, and the
         extents still held after taking back every one released so far."""
-        lat = self._latency
         if not self._closed:
             self._reclaim()
-        return TransportStatistics(
-            "shm",
-            self.chunks,
-            self.bytes,
-            errors=self.errors,
-            latency_p50_us=lat.percentile(50),
-            latency_p99_us=lat.percentile(99),
-            by_transport={"shm": self.chunks},
-            held=len(self._held),
-        )
+        return statistics(self.chunks, self.bytes, self.errors, self._latency, len(self._held))
 
     async def aclose(self) -> None:
         """Fail waiting puts, then unlink and unmap the segment; idempotent.

@@ -35,6 +35,7 @@ from pipeline._errors import TransportFull
 from pipeline._host import host_identity
 from pipeline._keys import ChunkKey
 from pipeline.testing import TransportConformance
+from tests.pipeline.conftest import wait_for
 from tests.transports.cuda_ipc_peer import Peer, Tensors, descriptor_line, fingerprint
 from transports import EdgeContext, Transport, create_transport
 from transports._cuda_dlpack import live_wrappers, wrap_memory
@@ -482,7 +483,7 @@ async def test_cuda_round_trip_across_processes(edge: EdgeContext) -> None:
                 reply = await asyncio.to_thread(peer.send, descriptor_line(descriptor))
                 assert reply["pid"] != os.getpid()
                 assert reply["tensors"] == [fingerprint(t) for t in cases]
-            await _until(lambda: sender.held == (0, 0))
+            await wait_for(lambda: _now(sender.held == (0, 0)))
             assert sender.statistics().by_transport == {"cuda_ipc": 3}
     finally:
         assert peer.close() == 0, peer.stderr()
@@ -512,7 +513,7 @@ async def test_producer_keeps_storage_until_consumer_is_done(edge: EdgeContext) 
             # The peer has released the payload but still holds its tensors: nothing is freed.
             assert sender.held[0] == 1
             assert (await asyncio.to_thread(peer.send, b"drop\n")) == {"dropped": True}
-            await _until(lambda: sender.held == (0, 0))
+            await wait_for(lambda: _now(sender.held == (0, 0)))
             del churn
     finally:
         assert peer.close() == 0, peer.stderr()
@@ -588,8 +589,6 @@ async def test_hop_latency_is_flat_in_size() -> None:
     assert large < max(5 * small, small + 500), f"hop latency grows with size: {results}"
 
 
-async def _until(probe: Any, timeout: float = 10.0) -> None:
-    """Wait for ``probe()`` to hold; the state lives in another process, so poll it."""
-    async with asyncio.timeout(timeout):
-        while not probe():  # noqa: ASYNC110 - the condition is set by another process
-            await asyncio.sleep(0.01)
+async def _now(value: bool) -> bool:
+    """``value``, as the awaitable probe that ``wait_for`` polls."""
+    return value
