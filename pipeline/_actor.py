@@ -19,8 +19,7 @@ from typing import Any
 import structlog
 
 from pipeline._batching import Batcher
-from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget
-from pipeline._codec import codec_for
+from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget, file_run
 from pipeline._encoded import DECODE_ERRORS, Encoded
 from pipeline._errors import (
     EndOfChannel,
@@ -32,9 +31,9 @@ from pipeline._errors import (
 )
 from pipeline._keys import CLIENT
 from pipeline._latency import LatencyRecorder
-from pipeline._messages import Chunk, Credit, Peer, PeerTable, decode_batch
+from pipeline._messages import Chunks, Credit, Peer, PeerTable, decode_batch
 from pipeline._signature import EdgePlan, StagePlan
-from pipeline._sockets import MAX_FRAMES
+from pipeline._sockets import MAX_FRAMES, SendData
 from pipeline._stage import Context, Outputs, Stage, Stream
 
 __all__ = ("StageActor",)
@@ -72,7 +71,7 @@ class StageActor:
         replica: int,
         host: str,
         endpoint: str,
-        send: Callable[[str, bytes], None],
+        send: SendData,
         report_failure: Callable[[FailureInfo], None],
         max_inflight: int = 1024,
     ) -> None:
@@ -90,6 +89,9 @@ class StageActor:
             for dst, e in plan.outputs.items()
         }
         self._outputs_by_edge = {c.plan.name: c for c in self._outputs.values()}
+        #: The only output of a stage that sends one value to one stage: its chunks take
+        #: a path without coroutines when they can.
+        self._only_output: tuple[str, OutputChannel] | None = None
         self._peers: PeerTable = {}
         self._client: Peer | None = None
         self._requests: dict[str, _Request] = {}
@@ -98,6 +100,8 @@ class StageActor:
         self._streaming_out = plan.signature.streaming_output
         self._stream_params = frozenset(i.name for i in plan.signature.inputs if i.streaming)
         self._per_dest = plan.signature.per_destination is not None
+        if len(self._outputs) == 1 and not self._per_dest:
+            self._only_output = next(iter(self._outputs.items()))
         self._batcher: Batcher | None = None
         if plan.signature.batched and plan.spec.max_batch_size > 1:
             self._batcher = Batcher(
@@ -197,7 +201,7 @@ class StageActor:
                     if out is not None:
                         out.on_credit(msg)
                 else:
-                    self._on_chunk(msg)
+                    self._on_run(msg)
 
     def _garbage(self, n: int) -> None:
         before = self.counts["garbage"]
@@ -205,33 +209,34 @@ class StageActor:
         if before < 1000 and any(before < m <= before + n for m in (1, 10, 100, 1000)):
             log.warning("garbage_dropped", stage=self.stage, count=self.counts["garbage"])
 
-    def _on_chunk(self, chunk: Chunk) -> None:
-        entry = self._inputs_by_edge.get(chunk.key.edge)
+    def _on_run(self, run: Chunks) -> None:
+        entry = self._inputs_by_edge.get(run.edge)
         if entry is None:
-            self._garbage(1)
+            self._garbage(len(run.descriptors))
             return
         _, channel = entry
         try:
-            item = channel.admit(chunk)
+            items = channel.admit(run)
         except Exception:
-            self._garbage(1)
+            self._garbage(len(run.descriptors))
             return
-        rid = chunk.key.request_id
+        rid = run.request_id
         if rid in self._finished:
-            self.counts["late"] += 1
-            channel.discard(item)
+            self.counts["late"] += len(items)
+            for item in items:
+                channel.discard(item)
             return
         if rid not in self._requests and len(self._requests) >= self._max_requests:
             # Chunks may precede their Admit, but never by more than the admitted requests:
             # past that they are forged or stale, and must not grow state without bound.
-            self._garbage(1)
-            channel.discard(item)
+            self._garbage(len(items))
+            for item in items:
+                channel.discard(item)
             return
         req = self._request(rid)
-        buf = req.inflows[chunk.key.edge].buffer
-        if not buf.offer(chunk.key.seq, item, chunk.final):
-            self.counts["duplicates"] += 1
-        elif buf.buffered > self.peak_buffered:
+        buf = req.inflows[run.edge].buffer
+        self.counts["duplicates"] += file_run(buf, run, items)
+        if buf.buffered > self.peak_buffered:
             self.peak_buffered = buf.buffered
         self._maybe_start(req)
 
@@ -275,7 +280,10 @@ class StageActor:
                     if param in self._stream_params:
                         channel = self._inputs_by_edge[edge.name][1]
                         inflow = req.inflows[edge.name]
-                        kwargs[param] = Stream(functools.partial(channel.next, inflow))
+                        kwargs[param] = Stream(
+                            functools.partial(channel.next, inflow),
+                            functools.partial(channel.poll, inflow),
+                        )
                     else:
                         kwargs[param] = await self._single(req, edge)
                 await self._produce(req, ctx, kwargs)
@@ -298,9 +306,22 @@ class StageActor:
         process = self.instance.process  # type: ignore[attr-defined]  # user-defined
         if self._streaming_out:
             agen = process(**kwargs, ctx=ctx)
+            single = self._only_output
+            rid = req.request_id
             try:
-                async for value in agen:
-                    await self._emit(req, value, final=False)
+                if single is None:
+                    async for value in agen:
+                        await self._emit(req, value, final=False)
+                else:
+                    # One output: encode and send each chunk without a coroutine when it
+                    # needs no waiting, as a stream of small chunks usually does.
+                    dst, out = single
+                    encode = out.codec.encode
+                    async for value in agen:
+                        encoded = encode(value)
+                        target = self._target(dst, req)
+                        if not out.try_send(rid, encoded, False, target):
+                            await out.send(rid, encoded, False, target)
             finally:
                 await agen.aclose()
             await self._end(req)
@@ -309,6 +330,7 @@ class StageActor:
 
     async def _emit(self, req: _Request, value: Any, *, final: bool) -> None:
         assert req.route is not None
+        rid = req.request_id
         if self._per_dest:
             if not isinstance(value, Outputs):
                 raise PayloadError(
@@ -318,28 +340,33 @@ class StageActor:
             for dst, out in self._outputs.items():
                 part = getattr(value, dst)
                 if part is not None:
-                    await out.send(
-                        req.request_id,
-                        self._encode(out.plan, part),
-                        final,
-                        self._target(dst, req),
-                    )
+                    await self._send(out, rid, out.codec.encode(part), final, req, dst)
                 elif final:
-                    await out.send(req.request_id, None, True, self._target(dst, req))
+                    await self._send(out, rid, None, True, req, dst)
             return
         encoded: Encoded | None = None
         for dst, out in self._outputs.items():
             if encoded is None:
-                encoded = self._encode(out.plan, value)
-            await out.send(req.request_id, encoded, final, self._target(dst, req))
+                encoded = out.codec.encode(value)
+            await self._send(out, rid, encoded, final, req, dst)
 
-    def _encode(self, edge: EdgePlan, value: Any) -> Encoded:
-        return codec_for(edge.payload_type).encode(value)
+    async def _send(
+        self,
+        out: OutputChannel,
+        rid: str,
+        encoded: Encoded | None,
+        final: bool,
+        req: _Request,
+        dst: str,
+    ) -> None:
+        target = self._target(dst, req)
+        if not out.try_send(rid, encoded, final, target):
+            await out.send(rid, encoded, final, target)
 
     async def _end(self, req: _Request) -> None:
         assert req.route is not None
         for dst, out in self._outputs.items():
-            await out.send(req.request_id, None, True, self._target(dst, req))
+            await self._send(out, req.request_id, None, True, req, dst)
 
     # ---- lifecycle -----------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,17 +31,22 @@ from pipeline._errors import (
 )
 from pipeline._keys import ChunkKey
 from pipeline._latency import LatencyRecorder
-from pipeline._messages import NO_DESCRIPTOR, Chunk, Credit
+from pipeline._messages import NO_DESCRIPTOR, Chunks, ChunksOut, Credit
 from pipeline._reorder import ReorderBuffer
 from pipeline._signature import EdgePlan
+from pipeline._sockets import SendData
+from pipeline._stage import NOT_READY
 from transports._protocol import Descriptor, EdgeContext, TransportReceiver, TransportSender
 from transports._registry import create_transport, resolve_transport
 from transports.auto import AutoPolicy
 from transports.inline import InlineReceiver, InlineSender
 
-__all__ = ("Inflow", "InputChannel", "Item", "OutputChannel", "SendTarget")
+__all__ = ("Inflow", "InputChannel", "Item", "OutputChannel", "SendTarget", "file_run")
 
 _encode_msg = msgspec.msgpack.Encoder().encode
+
+#: Most chunks one run (one :class:`Chunks` envelope) carries.
+MAX_RUN = 256
 
 
 def _bind_host(endpoint: str) -> str:
@@ -60,13 +64,23 @@ class SendTarget:
     host: str
 
 
-@dataclass(frozen=True, slots=True)
-class Item:
-    """A received chunk as filed in a reorder buffer: where its payload is."""
+#: A received chunk as filed in a reorder buffer: ``(transport, descriptor, sender)``, where
+#: ``descriptor`` is None for a chunk without payload and ``sender`` is where credit goes.
+#: A plain tuple: one is made per chunk, and a class instance cost several times more.
+Item = tuple[str, Descriptor | None, str]
 
-    transport: str
-    descriptor: Descriptor | None
-    sender: str
+
+def file_run(buffer: ReorderBuffer[Item], run: Chunks, items: list[Item]) -> int:
+    """Offer a run's items to ``buffer`` under their seqs; how many it refused."""
+    seq = run.first
+    last = seq + len(items) - 1
+    final = run.final
+    refused = 0
+    for item in items:
+        if not buffer.offer(seq, item, final and seq == last):
+            refused += 1
+        seq += 1
+    return refused
 
 
 class Inflow:
@@ -80,17 +94,72 @@ class Inflow:
         self.granted = 0
 
 
+class _Run:
+    """Chunks of one request queued on one edge for the same batch; encoded as it leaves.
+
+    The outbox calls :meth:`seal` when the batch leaves, once per run, so a stream of small
+    chunks pays one envelope encode per batch instead of one per chunk.
+    """
+
+    __slots__ = (
+        "descriptors",
+        "final",
+        "first",
+        "owner",
+        "request_id",
+        "sealed",
+        "sent_ns",
+        "transport",
+    )
+
+    def __init__(self, owner: OutputChannel, request_id: str, first: int, transport: str) -> None:
+        self.owner = owner
+        self.request_id = request_id
+        self.first = first
+        self.transport = transport
+        self.descriptors: list[Descriptor | None] = []
+        self.final = False
+        self.sealed = False
+        self.sent_ns = time.monotonic_ns()
+
+    def seal(self) -> bytes:
+        """The run's envelope, encoded; nothing can join the run after this."""
+        self.sealed = True
+        owner = self.owner
+        return _encode_msg(
+            ChunksOut(
+                self.request_id,
+                owner.plan.name,
+                self.first,
+                self.final,
+                self.transport,
+                self.descriptors,
+                owner.endpoint,
+                owner.host,
+                self.sent_ns,
+            )
+        )
+
+
 class _Window:
-    __slots__ = ("allowed", "next_seq", "waiter")
+    __slots__ = ("allowed", "next_seq", "run", "waiter")
 
     def __init__(self, window: int) -> None:
         self.next_seq = 0
         self.allowed = window
         self.waiter: asyncio.Future[None] | None = None
+        #: The run the next chunk may join, until the outbox seals it.
+        self.run: _Run | None = None
 
 
 class OutputChannel:
-    """The producer's end of one edge."""
+    """The producer's end of one edge.
+
+    Attributes:
+        codec: the codec of the edge's payload type.
+        endpoint: where this end receives credit.
+        host: the host identity of this end.
+    """
 
     def __init__(
         self,
@@ -98,11 +167,12 @@ class OutputChannel:
         *,
         host: str,
         endpoint: str,
-        send: Callable[[str, bytes], None],
+        send: SendData,
     ) -> None:
         self.plan = plan
-        self._host = host
-        self._endpoint = endpoint
+        self.host = host
+        self.endpoint = endpoint
+        self.codec = codec_for(plan.payload_type)
         self._send = send
         self._windows: dict[str, _Window] = {}
         ctx = EdgeContext(
@@ -120,6 +190,8 @@ class OutputChannel:
             name: create_transport(name, edge.options[name]).open_sender(ctx) for name in edge.names
         }
         self._fixed = None if edge.auto else self._senders[edge.kind]
+        inline = self._senders.get("inline")
+        self._inline = inline if isinstance(inline, InlineSender) else None
         # Statistics name what carried each chunk by the transport's own name, so a plug-in
         # given by import path shows up as, say, "rdma".
         self._names = {n: str(getattr(resolve_transport(n), "name", n)) for n in edge.names}
@@ -132,13 +204,50 @@ class OutputChannel:
         self.chunks = 0
         self.bytes = 0
         self.fallbacks = 0
-        self.used: dict[str, int] = {}
+        self._used = dict.fromkeys(edge.names, 0)
 
     def _window(self, request_id: str) -> _Window:
         win = self._windows.get(request_id)
         if win is None:
             win = self._windows[request_id] = _Window(self.plan.window)
         return win
+
+    def try_send(
+        self, request_id: str, encoded: Encoded | None, final: bool, target: SendTarget
+    ) -> bool:
+        """Send one chunk at once if nothing needs waiting for, as :meth:`send` would.
+
+        That is when the request has credit left and the payload goes inline (or there is
+        none): the common case of a stream of small chunks, which then costs no coroutine.
+
+        Returns:
+            True when the chunk was sent; False when it was not touched, and :meth:`send`
+            must send it.
+
+        Raises:
+            TransportError: the inline sender is closed.
+        """
+        win = self._windows.get(request_id)
+        if win is None:
+            win = self._window(request_id)
+        seq = win.next_seq
+        if seq >= win.allowed:
+            return False
+        if encoded is None:
+            win.next_seq = seq + 1
+            self._queue(win, request_id, seq, "", None, True, target.endpoint)
+            return True
+        if encoded.device_buffers:
+            return False
+        name, sender = self._choose(encoded, target)
+        inline = self._inline
+        if inline is None or sender is not inline:
+            return False
+        descriptor = inline.wrap(encoded)
+        win.next_seq = seq + 1
+        self._count(name, encoded)
+        self._queue(win, request_id, seq, name, descriptor, final, target.endpoint)
+        return True
 
     async def send(
         self, request_id: str, encoded: Encoded | None, final: bool, target: SendTarget
@@ -160,44 +269,67 @@ class OutputChannel:
                 win.waiter = None
         seq = win.next_seq
         win.next_seq += 1
-        key = ChunkKey(request_id, self.plan.name, seq)
         if encoded is None:
-            name, raw = "", NO_DESCRIPTOR
-        else:
-            name, sender = self._choose(encoded, target)
+            self._queue(win, request_id, seq, "", None, True, target.endpoint)
+            return
+        name, sender = self._choose(encoded, target)
+        if encoded.device_buffers and name not in self._on_device:
+            encoded = to_host(encoded)
+        descriptor: Descriptor
+        try:
+            if isinstance(sender, InlineSender):
+                descriptor = sender.wrap(encoded)
+            else:
+                key = ChunkKey(request_id, self.plan.name, seq)
+                descriptor = await sender.put(key, encoded, timeout=self._transports.full_timeout)
+        except TransportFull:
+            name = self._transports.fallback or ""
+            if not name:
+                raise
+            self.fallbacks += 1
             if encoded.device_buffers and name not in self._on_device:
                 encoded = to_host(encoded)
-            descriptor: Descriptor
-            try:
-                if isinstance(sender, InlineSender):
-                    # Inline never waits: no coroutine for the most frequent, smallest chunks.
-                    descriptor = sender.wrap(encoded)
-                else:
-                    descriptor = await sender.put(
-                        key, encoded, timeout=self._transports.full_timeout
-                    )
-            except TransportFull:
-                name = self._transports.fallback or ""
-                if not name:
-                    raise
-                self.fallbacks += 1
-                if encoded.device_buffers and name not in self._on_device:
-                    encoded = to_host(encoded)
-                descriptor = await self._senders[name].put(
-                    key, encoded, timeout=self.plan.chunk_timeout
-                )
-            raw = msgspec.Raw(_encode_msg(descriptor))
-            self.bytes += encoded.nbytes
-            shown = self._names[name]
-            self.used[shown] = self.used.get(shown, 0) + 1
+            key = ChunkKey(request_id, self.plan.name, seq)
+            descriptor = await self._senders[name].put(
+                key, encoded, timeout=self.plan.chunk_timeout
+            )
+        self._count(name, encoded)
+        self._queue(win, request_id, seq, name, descriptor, final, target.endpoint)
+
+    def _count(self, name: str, encoded: Encoded) -> None:
+        self.bytes += encoded.nbytes
+        self._used[name] += 1
+
+    def _queue(
+        self,
+        win: _Window,
+        request_id: str,
+        seq: int,
+        name: str,
+        descriptor: Descriptor | None,
+        final: bool,
+        endpoint: str,
+    ) -> None:
+        """Add chunk ``seq`` to the request's open run, or start a run and queue it."""
         self.chunks += 1
-        msg = Chunk(key, final, name, raw, self._endpoint, self._host, time.monotonic_ns())
-        self._send(target.endpoint, _encode_msg(msg))
+        run = win.run
+        if (
+            run is None
+            or run.sealed
+            # A chunk without payload (the end of a stream) joins a run of any transport.
+            or (descriptor is not None and run.transport != name)
+            or run.first + len(run.descriptors) != seq
+            or len(run.descriptors) >= MAX_RUN
+        ):
+            run = win.run = _Run(self, request_id, seq, name)
+            self._send(endpoint, run)
+        run.descriptors.append(descriptor)
+        run.final = final
 
     def _choose(self, encoded: Encoded, target: SendTarget) -> tuple[str, TransportSender]:
         if self._fixed is not None:
             return self._transports.kind, self._fixed
-        policy = self._local_policy if target.host == self._host else self._remote_policy
+        policy = self._local_policy if target.host == self.host else self._remote_policy
         name, fell_back = policy.choose(encoded.nbytes, has_cuda=encoded.has_device_buffers)
         if fell_back:
             self.fallbacks += 1
@@ -225,6 +357,16 @@ class OutputChannel:
         """Requests with credit state on this edge."""
         return len(self._windows)
 
+    @property
+    def used(self) -> dict[str, int]:
+        """Chunks carried so far by each transport that carried any, by its own name."""
+        used: dict[str, int] = {}
+        for name, count in self._used.items():
+            if count:
+                shown = self._names[name]
+                used[shown] = used.get(shown, 0) + count
+        return used
+
     def statistics(self) -> dict[str, Any]:
         """Counters for this edge's producer side."""
         return {
@@ -233,7 +375,7 @@ class OutputChannel:
             "bytes": self.bytes,
             "fallbacks": self.fallbacks,
             "transport": self._transports.kind,
-            "used": dict(self.used),
+            "used": self.used,
             "transports": {
                 name: dataclasses.asdict(sender.statistics())
                 for name, sender in self._senders.items()
@@ -256,7 +398,7 @@ class InputChannel:
         plan: EdgePlan,
         *,
         host: str,
-        send: Callable[[str, bytes], None],
+        send: SendData,
     ) -> None:
         self.plan = plan
         self._host = host
@@ -291,19 +433,27 @@ class InputChannel:
                 self._inline = recv
         return recv
 
-    def admit(self, chunk: Chunk) -> Item:
-        """Parse a chunk's descriptor and note its hop latency.
+    def admit(self, run: Chunks) -> list[Item]:
+        """Parse every descriptor of a run and note its hop latency.
 
         Raises:
-            TransportError: the descriptor is not valid for its transport.
+            TransportError: a descriptor is not valid for its transport.
         """
-        self.chunks += 1
-        if chunk.host == self._host:
-            self.hop.add((time.monotonic_ns() - chunk.sent_ns) / 1000)
-        if not chunk.transport:
-            return Item("", None, chunk.sender)
-        desc = self.receiver(chunk.transport).decode_descriptor(chunk.descriptor)
-        return Item(chunk.transport, desc, chunk.sender)
+        self.chunks += len(run.descriptors)
+        if run.host == self._host:
+            self.hop.add((time.monotonic_ns() - run.sent_ns) / 1000)
+        name, sender = run.transport, run.sender
+        if not name:
+            if any(raw != NO_DESCRIPTOR for raw in run.descriptors):
+                raise TransportError(
+                    f"edge {self.plan.name!r}: a chunk names no transport but has a descriptor"
+                )
+            return [("", None, sender)] * len(run.descriptors)
+        decode = self.receiver(name).decode_descriptor
+        return [
+            (name, decode(raw), sender) if raw != NO_DESCRIPTOR else ("", None, sender)
+            for raw in run.descriptors
+        ]
 
     def open(self, request_id: str, *, chunk_timeout: float | None = None) -> Inflow:
         """Start receiving ``request_id`` on this edge."""
@@ -313,6 +463,23 @@ class InputChannel:
                 request_id, self.plan.name, chunk_timeout=timeout, on_discard=self.discard
             )
         )
+
+    def poll(self, inflow: Inflow) -> Any:
+        """The next payload if it needs no waiting, else :data:`NOT_READY`.
+
+        It needs none when its chunk is buffered and carried inline: a busy stream of small
+        chunks is read this way without a coroutine. It raises what :meth:`next` raises.
+        """
+        buffer = inflow.buffer
+        got = buffer.peek()
+        if got is None:
+            return NOT_READY
+        item, final = got
+        descriptor = item[1]
+        if descriptor is not None and (item[0] != "inline" or self._inline is None):
+            return NOT_READY  # a transport to fetch from: next() awaits it
+        buffer.pop()
+        return self._deliver(inflow, item, final)
 
     async def next(self, inflow: Inflow) -> Any:
         """The next payload of a request on this edge, in order, returning credit as it goes.
@@ -324,24 +491,32 @@ class InputChannel:
             TransportError: the payload could not be fetched.
             RequestAborted: the request was aborted.
         """
-        # Chunks of a busy stream are usually buffered already, and small ones inline: both
-        # are taken without creating a coroutine, which is a large share of a chunk's cost.
         got = inflow.buffer.get_nowait()
         item, final = got if got is not None else await inflow.buffer.get()
-        if item.descriptor is None:
+        if item[1] is not None and (item[0] != "inline" or self._inline is None):
+            value = await self.fetch(item)
+            self._credit(inflow, item, final)
+            return value
+        return self._deliver(inflow, item, final)
+
+    def _deliver(self, inflow: Inflow, item: Item, final: bool) -> Any:
+        """An inline item's payload (or the end of the stream), returning credit."""
+        descriptor = item[1]
+        if descriptor is None:
             if final:
                 raise EndOfChannel
             raise PayloadError(f"chunk without payload on edge {self.plan.name!r} before its end")
-        if item.transport == "inline" and self._inline is not None:
-            value = self._codec.decode(self._inline.take(item.descriptor))
-        else:
-            value = await self.fetch(item)
+        assert self._inline is not None
+        value = self._codec.decode(self._inline.take(descriptor))
+        self._credit(inflow, item, final)
+        return value
+
+    def _credit(self, inflow: Inflow, item: Item, final: bool) -> None:
         inflow.taken += 1
         if not final and inflow.taken - inflow.granted >= self._credit_step:
             credit = Credit(inflow.buffer.request_id, self.plan.name, inflow.taken)
-            self._send(item.sender, _encode_msg(credit))
+            self._send(item[2], _encode_msg(credit))
             inflow.granted = inflow.taken
-        return value
 
     async def fetch(self, item: Item) -> Any:
         """Materialise and decode an item's payload, then release the transport's hold.
@@ -350,21 +525,23 @@ class InputChannel:
             TransportError: the payload could not be fetched.
             PayloadError: the payload does not match the edge's type.
         """
-        assert item.descriptor is not None
-        recv = self.receiver(item.transport)
+        name, descriptor, _ = item
+        assert descriptor is not None
+        recv = self.receiver(name)
         try:
-            encoded = await recv.get(item.descriptor)
+            encoded = await recv.get(descriptor)
             return self._codec.decode(encoded)
         finally:
-            await recv.release(item.descriptor)
+            await recv.release(descriptor)
 
     def discard(self, item: Item) -> None:
         """Release an item that will never be consumed (duplicate, aborted, late)."""
-        if item.descriptor is None:
+        name, descriptor, _ = item
+        if descriptor is None:
             return
-        recv = self._receivers.get(item.transport)
+        recv = self._receivers.get(name)
         if recv is not None:
-            task = asyncio.get_running_loop().create_task(recv.release(item.descriptor))
+            task = asyncio.get_running_loop().create_task(recv.release(descriptor))
             _background.add(task)
             task.add_done_callback(_background.discard)
 

@@ -73,7 +73,9 @@ class Encoded:
     def nbytes(self) -> int:
         """Total size of the header and all buffers, device buffers included (computed once)."""
         if self._nbytes < 0:
-            size = len(self.header) + sum(memoryview(b).nbytes for b in self.buffers)
+            size = len(self.header)
+            if self.buffers:
+                size += sum(memoryview(b).nbytes for b in self.buffers)
             if self.device_buffers:
                 size += sum(int(t.nbytes) for t in self.device_buffers.values())
             self._nbytes = size

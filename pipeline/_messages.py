@@ -11,14 +11,14 @@ from typing import Any
 import msgspec
 
 from pipeline._errors import FailureInfo
-from pipeline._keys import ChunkKey
 
 __all__ = (
     "NO_DESCRIPTOR",
     "Abort",
     "Admit",
     "Assignment",
-    "Chunk",
+    "Chunks",
+    "ChunksOut",
     "ControlToMaster",
     "ControlToWorker",
     "Credit",
@@ -47,23 +47,47 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="m", array_like=True):
 # ---- data plane ---------------------------------------------------------------------------
 
 
-class Chunk(_Msg, frozen=True, tag="c"):
-    """One chunk of one request on one edge; the descriptor always travels with it.
+class Chunks(_Msg, frozen=True, tag="c"):
+    """A run of consecutive chunks of one request on one edge: each is an envelope.
 
-    ``transport`` names the transport that carried the payload; an empty ``transport``
-    (with a nil descriptor) marks the end of a stream that has no payload of its own.
+    Chunk ``first + i`` is described by ``descriptors[i]``, a descriptor of ``transport``;
+    only the run's last chunk can be the final one, as ``final`` says. A nil descriptor
+    marks a chunk without payload: the end of a stream that has no payload of its own.
+    A sender joins the chunks of one (request, edge) that leave in the same batch into one
+    run, so the key's request and edge, the sender and the timestamp travel once per run;
+    every chunk still carries its own descriptor.
     """
 
-    key: ChunkKey
+    request_id: str
+    edge: str
+    first: int
     final: bool
     transport: str
-    descriptor: msgspec.Raw
+    descriptors: list[msgspec.Raw]
     sender: str
     host: str
     sent_ns: int
 
 
-#: The descriptor of a chunk that carries no payload: msgpack nil.
+class ChunksOut(_Msg, frozen=True, tag="c"):
+    """:class:`Chunks` as a sender encodes it: descriptors are still transport Structs.
+
+    It encodes to exactly the bytes of a :class:`Chunks` whose descriptors are those
+    Structs encoded, without encoding each descriptor separately first.
+    """
+
+    request_id: str
+    edge: str
+    first: int
+    final: bool
+    transport: str
+    descriptors: list[Any]
+    sender: str
+    host: str
+    sent_ns: int
+
+
+#: A chunk's descriptor when it carries no payload: msgpack nil.
 NO_DESCRIPTOR = msgspec.Raw(b"\xc0")
 
 
@@ -75,7 +99,7 @@ class Credit(_Msg, frozen=True, tag="k"):
     upto: int
 
 
-DataMessage = Chunk | Credit
+DataMessage = Chunks | Credit
 
 _batch_decoder = msgspec.msgpack.Decoder(list[DataMessage])
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget
+from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget, file_run
 from pipeline._codec import codec_for
 from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import (
@@ -27,9 +27,9 @@ from pipeline._errors import (
     StageUnavailable,
 )
 from pipeline._keys import CLIENT
-from pipeline._messages import Abort, Admit, Chunk, Credit, Drop, decode_batch
+from pipeline._messages import Abort, Admit, Chunks, Credit, Drop, decode_batch
 from pipeline._signature import PipelinePlan
-from pipeline._sockets import MAX_FRAMES
+from pipeline._sockets import MAX_FRAMES, SendData
 
 __all__ = ("ClientRequest", "Orchestrator", "ReplicaView")
 
@@ -76,7 +76,7 @@ class Orchestrator:
         *,
         host: str,
         endpoint: str,
-        send_data: Callable[[str, bytes], None],
+        send_data: SendData,
         send_control: Callable[[str, int, Any], None],
     ) -> None:
         self.plan = plan
@@ -311,26 +311,27 @@ class Orchestrator:
             for msg in batch:
                 self._on_message(msg)
 
-    def _on_message(self, msg: Chunk | Credit) -> None:
+    def _on_message(self, msg: Chunks | Credit) -> None:
         if isinstance(msg, Credit):
             out = self._src_by_edge.get(msg.edge)
             if out is not None:
                 out.on_credit(msg)
             return
-        if not isinstance(msg, Chunk) or msg.key.edge not in self._by_edge:
-            self.counts["garbage"] += 1
+        ch = self._by_edge.get(msg.edge)
+        if ch is None:
+            self.counts["garbage"] += len(msg.descriptors)
             return
-        ch = self._by_edge[msg.key.edge]
         try:
-            item = ch.admit(msg)
+            items = ch.admit(msg)
         except PipelineError:
-            self.counts["garbage"] += 1
+            self.counts["garbage"] += len(msg.descriptors)
             return
-        req = self.requests.get(msg.key.request_id)
+        req = self.requests.get(msg.request_id)
         if req is None:
-            ch.discard(item)
+            for item in items:
+                ch.discard(item)
             return
-        req.inflows[ch.plan.src].buffer.offer(msg.key.seq, item, msg.final)
+        file_run(req.inflows[ch.plan.src].buffer, msg, items)
 
     def statistics(self) -> dict[str, Any]:
         """The client side's counters and edges."""

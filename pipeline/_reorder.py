@@ -175,7 +175,17 @@ class ReorderBuffer(Generic[T]):
             BaseException: the exception given to :meth:`abort`.
         """
         self._raise_if_ended()
-        return self._take()
+        return self.pop()
+
+    def peek(self) -> tuple[T, bool] | None:
+        """The next in-order ``(item, final)`` if it has arrived, left in the buffer.
+
+        Raises:
+            EndOfChannel: the final chunk was delivered, or the buffer was closed.
+            BaseException: the exception given to :meth:`abort`.
+        """
+        self._raise_if_ended()
+        return self._chunks.get(self._expected)
 
     async def get(self) -> tuple[T, bool]:
         """Wait for and return the next in-order ``(item, final)``.
@@ -191,7 +201,7 @@ class ReorderBuffer(Generic[T]):
             BaseException: the exception given to :meth:`abort` (RequestAborted by default).
         """
         self._raise_if_ended()
-        entry = self._take()
+        entry = self.pop()
         if entry is not None:
             return entry
         if self._waiter is not None:
@@ -210,7 +220,7 @@ class ReorderBuffer(Generic[T]):
                 self._waiter = loop.create_future()
                 await self._waiter
                 # The chunk may have landed in the same loop iteration as the deadline fired.
-                entry = self._take()
+                entry = self.pop()
                 if entry is not None:
                     return entry
                 if self._expired and not (self._closed or self._finished):
@@ -281,7 +291,11 @@ class ReorderBuffer(Generic[T]):
                 raise first
         return len(items)
 
-    def _take(self) -> tuple[T, bool] | None:
+    def pop(self) -> tuple[T, bool] | None:
+        """Take what :meth:`peek` returned: the next in-order ``(item, final)``, or None.
+
+        Unlike :meth:`get_nowait` it does not check whether the stream has ended.
+        """
         entry = self._chunks.pop(self._expected, None)
         if entry is not None:
             self._expected += 1

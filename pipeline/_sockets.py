@@ -15,16 +15,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from pipeline._messages import encode_batch
 
-__all__ = ("Outbox", "SocketReader", "bind_ephemeral", "new_context")
+__all__ = ("Outbox", "Sealable", "SendData", "SocketReader", "bind_ephemeral", "new_context")
 
 #: Envelopes per batch a sender joins into one frame; frames per message a reader accepts.
 MAX_FRAMES = 256
+
+
+class Sealable(Protocol):
+    """An envelope encoded only when its batch leaves, so it can grow until then."""
+
+    def seal(self) -> bytes:
+        """The envelope's bytes; called once, as its batch leaves."""
+        ...
+
+
+#: Queues one envelope for a data endpoint: ``Outbox.send``, or a stand-in in tests.
+SendData = Callable[[str, "bytes | Sealable"], None]
 
 
 def new_context() -> zmq.Context[Any]:
@@ -132,7 +144,7 @@ class Outbox:
     def __init__(self, ctx: zmq.Context[Any]) -> None:
         self._ctx = ctx
         self._socks: dict[str, zmq.Socket[Any]] = {}
-        self._pending: dict[str, list[bytes]] = {}
+        self._pending: dict[str, list[bytes | Sealable]] = {}
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -146,13 +158,17 @@ class Outbox:
             self._socks[endpoint] = sock
         return sock
 
-    def send(self, endpoint: str, frame: bytes) -> None:
-        """Queue one envelope for ``endpoint``; it leaves within this loop turn."""
+    def send(self, endpoint: str, envelope: bytes | Sealable) -> None:
+        """Queue one envelope for ``endpoint``; it leaves within this loop turn.
+
+        A :class:`Sealable` envelope is encoded as it leaves, so what joins it until then
+        (the next chunks of a run) leaves with it.
+        """
         queued = self._pending.get(endpoint)
         if queued is None:
-            self._pending[endpoint] = [frame]
+            self._pending[endpoint] = [envelope]
         else:
-            queued.append(frame)
+            queued.append(envelope)
         if not self._scheduled:
             self._scheduled = True
             if self._loop is None:
@@ -163,10 +179,13 @@ class Outbox:
         """Send everything queued, one multi-frame message per peer (HWM 0: never blocks)."""
         self._scheduled = False
         pending, self._pending = self._pending, {}
-        for endpoint, envelopes in pending.items():
-            sock = self._socket(endpoint)
+        for endpoint, queued in pending.items():
+            envelopes = [e if isinstance(e, bytes) else e.seal() for e in queued]
             for i in range(0, len(envelopes), MAX_FRAMES):
-                sock.send(encode_batch(envelopes[i : i + MAX_FRAMES]), zmq.NOBLOCK, copy=False)
+                self._transmit(endpoint, encode_batch(envelopes[i : i + MAX_FRAMES]))
+
+    def _transmit(self, endpoint: str, frame: bytes) -> None:
+        self._socket(endpoint).send(frame, zmq.NOBLOCK, copy=False)
 
     def forget(self, endpoint: str) -> None:
         """Close the socket to an endpoint that went away, dropping what was queued for it."""

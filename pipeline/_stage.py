@@ -23,9 +23,13 @@ from pydantic import BaseModel
 
 from pipeline._errors import EndOfChannel
 
-__all__ = ("Context", "Outputs", "Stage", "Stream")
+__all__ = ("NOT_READY", "Context", "Outputs", "Stage", "Stream")
 
 T = TypeVar("T")
+
+
+#: What a Stream's ``poll`` returns when the next chunk needs waiting for.
+NOT_READY: Any = object()
 
 
 class Stream(Generic[T]):
@@ -34,10 +38,14 @@ class Stream(Generic[T]):
     Iterate it once with ``async for``; iteration ends after the final chunk.
     """
 
-    __slots__ = ("_next",)
+    __slots__ = ("_next", "_poll")
 
-    def __init__(self, next_item: Callable[[], Awaitable[T]]) -> None:
+    def __init__(
+        self, next_item: Callable[[], Awaitable[T]], poll: Callable[[], Any] | None = None
+    ) -> None:
         self._next = next_item
+        #: Returns the next chunk's payload when it needs no waiting, else NOT_READY.
+        self._poll = poll
 
     def __aiter__(self) -> AsyncIterator[T]:
         return self
@@ -52,6 +60,10 @@ class Stream(Generic[T]):
             TransportError: the chunk's payload could not be fetched.
         """
         try:
+            if self._poll is not None:
+                value = self._poll()
+                if value is not NOT_READY:
+                    return value  # type: ignore[no-any-return]  # the edge's payload type
             return await self._next()
         except EndOfChannel:
             raise StopAsyncIteration from None

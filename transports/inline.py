@@ -46,11 +46,9 @@ class _InlineEnd(AsyncResource):
         self.chunks = 0
         self.bytes = 0
 
-    def _count(self, encoded: Encoded) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise TransportError(f"inline {self._role} for edge {self._edge.edge!r} is closed")
-        self.chunks += 1
-        self.bytes += encoded.nbytes
 
     def statistics(self) -> TransportStatistics:
         """Chunks and bytes moved so far."""
@@ -89,8 +87,12 @@ class InlineSender(_InlineEnd):
         Raises:
             TransportError: the sender is closed.
         """
-        self._count(encoded)
-        return InlineDescriptor(encoded.header, [bytes(b) for b in encoded.buffers])
+        self._check_open()
+        self.chunks += 1
+        self.bytes += encoded.nbytes
+        buffers = encoded.buffers
+        # Copied now: the envelope is encoded later, and the producer may reuse its tensor.
+        return InlineDescriptor(encoded.header, [bytes(b) for b in buffers] if buffers else [])
 
 
 class InlineReceiver(_InlineEnd):
@@ -129,9 +131,12 @@ class InlineReceiver(_InlineEnd):
             raise TransportError(
                 f"edge {self._edge.edge!r}: inline receiver got a {type(descriptor).__name__}"
             )
-        encoded = Encoded(descriptor.header, tuple(descriptor.buffers))
-        self._count(encoded)
-        return encoded
+        self._check_open()
+        header, buffers = descriptor.header, descriptor.buffers
+        nbytes = len(header) + sum(map(len, buffers)) if buffers else len(header)
+        self.chunks += 1
+        self.bytes += nbytes
+        return Encoded(header, tuple(buffers), nbytes)
 
     async def release(self, descriptor: Descriptor) -> None:
         """Nothing to free: the payload lived in the envelope.

@@ -219,8 +219,7 @@ async def test_forged_chunks_cannot_grow_state_without_bound() -> None:
     """Chunks for never-admitted requests are held only up to twice max_inflight."""
     import msgspec
 
-    from pipeline._keys import ChunkKey
-    from pipeline._messages import Chunk, encode_batch
+    from pipeline._messages import Chunks, encode_batch
     from transports.inline import InlineDescriptor
 
     s = spec({"echo": ":Echo"}, [], max_inflight=4)
@@ -229,11 +228,13 @@ async def test_forged_chunks_cannot_grow_state_without_bound() -> None:
         descriptor = msgspec.Raw(msgspec.msgpack.encode(InlineDescriptor(b"\x91\xa1x", [])))
         frames = [
             msgspec.msgpack.encode(
-                Chunk(
-                    ChunkKey(f"forged-{i}", "@client->echo", 0),
+                Chunks(
+                    f"forged-{i}",
+                    "@client->echo",
+                    0,
                     True,
                     "inline",
-                    descriptor,
+                    [descriptor],
                     "tcp://127.0.0.1:9",
                     "h",
                     0,

@@ -1,0 +1,143 @@
+"""The runtime's own CPU per streamed chunk, in one process: no sockets, no wake-ups.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/inproc_chain.py [--chunks N] [--trials T] [--concurrency C]
+
+The 4-stage chain of ``benchmarks/hops.py`` (source -> relay -> relay -> sink, every edge
+inline, 1 KiB chunks) runs as four real stage actors and the real orchestrator in one
+event loop. Their batches go through the real ``Outbox``, whose transmit hands each frame
+to the receiving actor on the next loop turn instead of to a socket. What remains is the
+Python the runtime runs per chunk: encoding, envelopes, batching, decoding, ordering,
+credit and the handlers' iteration. It is steady from run to run, unlike the multi-process
+figures on a small VM, so it is the figure to compare before and after a change to the data
+path. ``hops.py`` remains the figure that counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_stages import Counted, Start  # noqa: E402
+from benchmarks.hops import STREAM_CHAIN, chain_spec  # noqa: E402
+from pipeline._actor import StageActor  # noqa: E402
+from pipeline._config import PipelineSpec  # noqa: E402
+from pipeline._errors import EndOfChannel  # noqa: E402
+from pipeline._messages import Admit, Peer  # noqa: E402
+from pipeline._orchestrator import Orchestrator, ReplicaView  # noqa: E402
+from pipeline._signature import build_plan  # noqa: E402
+from pipeline._sockets import Outbox  # noqa: E402
+
+HOST = "inproc-host"
+CLIENT_ENDPOINT = "inproc://client"
+
+
+class LoopbackOutbox(Outbox):
+    """The real batching, with each frame handed to its receiver on the next loop turn."""
+
+    def __init__(self, routes: dict[str, Any]) -> None:
+        super().__init__(None)  # type: ignore[arg-type]  # no ZMQ context: nothing to connect
+        self._routes = routes
+
+    def _transmit(self, endpoint: str, frame: bytes) -> None:
+        asyncio.get_running_loop().call_soon(self._routes[endpoint], [frame])
+
+
+async def build() -> tuple[Orchestrator, list[StageActor]]:
+    """The chain's actors and orchestrator, wired through one loopback outbox."""
+    spec = PipelineSpec.from_dict(chain_spec("inproc", STREAM_CHAIN), source="<inproc>")
+    plan = build_plan(spec)
+    routes: dict[str, Any] = {}
+    outbox = LoopbackOutbox(routes)
+    actors: dict[str, StageActor] = {}
+    for name, stage_plan in plan.stages.items():
+        instance = stage_plan.signature.cls(
+            params=stage_plan.params, name=name, replica=0, device=stage_plan.spec.device
+        )
+        await instance.setup()
+        actors[name] = StageActor(
+            stage_plan,
+            instance,
+            replica=0,
+            host=HOST,
+            endpoint=f"inproc://{name}",
+            send=outbox.send,
+            report_failure=lambda info: print("failed:", info, file=sys.stderr),
+        )
+
+    def control(stage: str, replica: int, msg: Any) -> None:
+        if isinstance(msg, Admit):
+            actors[stage].admit(msg.request_id, msg.route)
+        else:
+            actors[stage].forget(msg.request_id)
+
+    orch = Orchestrator(
+        plan, host=HOST, endpoint=CLIENT_ENDPOINT, send_data=outbox.send, send_control=control
+    )
+    peers = {name: {0: Peer(f"inproc://{name}", HOST)} for name in actors}
+    for name, actor in actors.items():
+        actor.set_peers(peers, Peer(CLIENT_ENDPOINT, HOST))
+        routes[f"inproc://{name}"] = actor.on_data
+        view = orch.replicas[name][0] = ReplicaView(name, 0, f"inproc://{name}", HOST)
+        view.ready = True
+    routes[CLIENT_ENDPOINT] = orch.on_data
+    return orch, list(actors.values())
+
+
+async def run_one(orch: Orchestrator, n: int) -> Counted:
+    """Stream ``n`` chunks through the chain; the sink's count."""
+    req = await orch.start({"source": Start(n, 1024)})
+    out: Any = None
+    try:
+        while True:
+            _, out = await orch.next_output(req)
+    except EndOfChannel:
+        pass
+    if not isinstance(out, Counted) or out.chunks != n:
+        raise RuntimeError(f"the sink counted {out!r}, expected {n} chunks")
+    return out
+
+
+async def main_async(chunks: int, trials: int, concurrency: int) -> list[float]:
+    """CPU µs per chunk of each trial."""
+    orch, actors = await build()
+    await run_one(orch, 1000)  # warm-up
+    per_chunk = []
+    for _ in range(trials):
+        t0 = time.process_time()
+        await asyncio.gather(*(run_one(orch, chunks // concurrency) for _ in range(concurrency)))
+        per_chunk.append((time.process_time() - t0) / chunks * 1e6)
+    await orch.aclose()
+    for actor in actors:
+        await actor.aclose()
+    return per_chunk
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", type=int, default=50_000)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, default=1)
+    args = ap.parse_args(argv)
+    per_chunk = asyncio.run(main_async(args.chunks, args.trials, args.concurrency))
+    trials = ", ".join(f"{x:.1f}" for x in per_chunk)
+    print(
+        f"runtime CPU per chunk across the 4-stage chain: {statistics.median(per_chunk):.1f} µs"
+        f" (median of {len(per_chunk)} trials: {trials}); that is a ceiling of"
+        f" {1e6 / statistics.median(per_chunk):,.0f} chunks/s on one core"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
