@@ -170,10 +170,7 @@ class StageActor:
         if req.task is not None and not req.task.done():
             req.task.cancel()
         for inflow in req.inflows.values():
-            if exc is not None:
-                inflow.buffer.abort(exc)
-            else:
-                inflow.buffer.close()
+            inflow.end(exc)
         for out in self._outputs.values():
             out.forget(request_id, str(exc) if exc else None)
 
@@ -316,11 +313,13 @@ class StageActor:
                     # One output: encode and send each chunk without a coroutine when it
                     # needs no waiting, as a stream of small chunks usually does.
                     dst, out = single
-                    encode = out.codec.encode
+                    encode, try_send = out.codec.encode, out.try_send
+                    target = None
                     async for value in agen:
                         encoded = encode(value)
-                        target = self._target(dst, req)
-                        if not out.try_send(rid, encoded, False, target):
+                        if target is None:
+                            target = self._target(dst, req)
+                        if not try_send(rid, encoded, False, target):
                             await out.send(rid, encoded, False, target)
             finally:
                 await agen.aclose()

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from pipeline._codec import codec_for
-from pipeline._encoded import Encoded, to_host
+from pipeline._encoded import DECODE_ERRORS, Encoded, to_host
 from pipeline._errors import (
     EndOfChannel,
     PayloadError,
@@ -44,6 +45,9 @@ from transports.inline import InlineReceiver, InlineSender
 __all__ = ("Inflow", "InputChannel", "Item", "OutputChannel", "SendTarget", "file_run")
 
 _encode_msg = msgspec.msgpack.Encoder().encode
+
+_nothing_decoder = msgspec.msgpack.Decoder(list[None])
+_raw_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 #: Most chunks one run (one :class:`Chunks` envelope) carries.
 MAX_RUN = 256
@@ -70,6 +74,27 @@ class SendTarget:
 Item = tuple[str, Descriptor | None, str]
 
 
+def _decode_nothing(raw: msgspec.Raw) -> Sequence[Descriptor | None]:
+    """The descriptors of a run that names no transport: every one must be nil."""
+    try:
+        return _nothing_decoder.decode(raw)
+    except DECODE_ERRORS as exc:
+        raise TransportError(f"a chunk naming no transport has a descriptor: {exc}") from exc
+
+
+def _one_by_one(recv: TransportReceiver) -> Callable[[msgspec.Raw], Sequence[Descriptor | None]]:
+    """Parse a descriptor array element by element, for a transport with no array parser."""
+
+    def decode(raw: msgspec.Raw) -> list[Descriptor | None]:
+        try:
+            elements = _raw_list_decoder.decode(raw)
+        except DECODE_ERRORS as exc:
+            raise TransportError(f"malformed descriptor array: {exc}") from exc
+        return [None if e == NO_DESCRIPTOR else recv.decode_descriptor(e) for e in elements]
+
+    return decode
+
+
 def file_run(buffer: ReorderBuffer[Item], run: Chunks, items: list[Item]) -> int:
     """Offer a run's items to ``buffer`` under their seqs; how many it refused."""
     seq = run.first
@@ -86,12 +111,28 @@ def file_run(buffer: ReorderBuffer[Item], run: Chunks, items: list[Item]) -> int
 class Inflow:
     """One request's position on one input edge: its reorder buffer and credit marks."""
 
-    __slots__ = ("buffer", "granted", "taken")
+    __slots__ = ("buffer", "granted", "held", "taken")
 
     def __init__(self, buffer: ReorderBuffer[Item]) -> None:
         self.buffer = buffer
         self.taken = 0
         self.granted = 0
+        #: The next chunk, taken from the buffer by ``poll`` but left for ``next`` to fetch.
+        self.held: tuple[Item, bool] | None = None
+
+    def end(self, exc: BaseException | None = None) -> None:
+        """Release everything held: fail a waiting reader with ``exc``, or end its stream.
+
+        Raises:
+            Exception: the first error releasing an item raised, once all were released.
+        """
+        held, self.held = self.held, None
+        if exc is not None:
+            self.buffer.abort(exc)
+        else:
+            self.buffer.close()
+        if held is not None:
+            self.buffer.discard(held[0])
 
 
 class _Run:
@@ -239,13 +280,19 @@ class OutputChannel:
             return True
         if encoded.device_buffers:
             return False
-        name, sender = self._choose(encoded, target)
         inline = self._inline
-        if inline is None or sender is not inline:
+        if inline is None:
             return False
+        if self._fixed is inline:
+            name = "inline"
+        else:
+            name, sender = self._choose(encoded, target)
+            if sender is not inline:
+                return False
         descriptor = inline.wrap(encoded)
         win.next_seq = seq + 1
-        self._count(name, encoded)
+        self.bytes += encoded.nbytes
+        self._used[name] += 1
         self._queue(win, request_id, seq, name, descriptor, final, target.endpoint)
         return True
 
@@ -407,6 +454,7 @@ class InputChannel:
         self._ctx = EdgeContext(plan.name, host, plan.transport.options, plan.inline_threshold)
         self._transports = plan.transports
         self._receivers: dict[str, TransportReceiver] = {}
+        self._decoders: dict[str, Callable[[msgspec.Raw], Sequence[Descriptor | None]]] = {}
         #: The inline receiver once opened: its payloads are read without a coroutine.
         self._inline: InlineReceiver | None = None
         self._credit_step = max(1, plan.window // 2)
@@ -434,26 +482,34 @@ class InputChannel:
         return recv
 
     def admit(self, run: Chunks) -> list[Item]:
-        """Parse every descriptor of a run and note its hop latency.
+        """Parse a run's descriptors and note its hop latency.
 
         Raises:
             TransportError: a descriptor is not valid for its transport.
         """
-        self.chunks += len(run.descriptors)
         if run.host == self._host:
             self.hop.add((time.monotonic_ns() - run.sent_ns) / 1000)
         name, sender = run.transport, run.sender
-        if not name:
-            if any(raw != NO_DESCRIPTOR for raw in run.descriptors):
-                raise TransportError(
-                    f"edge {self.plan.name!r}: a chunk names no transport but has a descriptor"
-                )
-            return [("", None, sender)] * len(run.descriptors)
-        decode = self.receiver(name).decode_descriptor
-        return [
-            (name, decode(raw), sender) if raw != NO_DESCRIPTOR else ("", None, sender)
-            for raw in run.descriptors
-        ]
+        descriptors = self._decoder(name)(run.descriptors)
+        self.chunks += len(descriptors)
+        return [(name, d, sender) if d is not None else ("", None, sender) for d in descriptors]
+
+    def _decoder(self, name: str) -> Callable[[msgspec.Raw], Sequence[Descriptor | None]]:
+        """What parses a run's descriptor array for transport ``name`` (opened on first use).
+
+        Raises:
+            TransportError: this edge does not carry payloads by ``name``.
+        """
+        decode = self._decoders.get(name)
+        if decode is None:
+            if not name:
+                decode = _decode_nothing
+            else:
+                recv = self.receiver(name)
+                many = getattr(recv, "decode_descriptors", None)
+                decode = many if many is not None else _one_by_one(recv)
+            self._decoders[name] = decode
+        return decode
 
     def open(self, request_id: str, *, chunk_timeout: float | None = None) -> Inflow:
         """Start receiving ``request_id`` on this edge."""
@@ -470,16 +526,21 @@ class InputChannel:
         It needs none when its chunk is buffered and carried inline: a busy stream of small
         chunks is read this way without a coroutine. It raises what :meth:`next` raises.
         """
-        buffer = inflow.buffer
-        got = buffer.peek()
+        got = inflow.buffer.get_nowait()
         if got is None:
             return NOT_READY
-        item, final = got
-        descriptor = item[1]
-        if descriptor is not None and (item[0] != "inline" or self._inline is None):
-            return NOT_READY  # a transport to fetch from: next() awaits it
-        buffer.pop()
-        return self._deliver(inflow, item, final)
+        (name, descriptor, sender), final = got
+        inline = self._inline
+        if descriptor is None or name != "inline" or inline is None:
+            if descriptor is None:
+                return self._deliver(inflow, got[0], final)
+            inflow.held = got  # a transport to fetch from: next() awaits it
+            return NOT_READY
+        value = self._codec.decode(inline.take(descriptor))
+        inflow.taken += 1
+        if not final and inflow.taken - inflow.granted >= self._credit_step:
+            self._credit(inflow, sender)
+        return value
 
     async def next(self, inflow: Inflow) -> Any:
         """The next payload of a request on this edge, in order, returning credit as it goes.
@@ -491,11 +552,19 @@ class InputChannel:
             TransportError: the payload could not be fetched.
             RequestAborted: the request was aborted.
         """
-        got = inflow.buffer.get_nowait()
-        item, final = got if got is not None else await inflow.buffer.get()
+        got = inflow.held
+        if got is not None:
+            inflow.held = None
+        else:
+            got = inflow.buffer.get_nowait()
+            if got is None:
+                got = await inflow.buffer.get()
+        item, final = got
         if item[1] is not None and (item[0] != "inline" or self._inline is None):
             value = await self.fetch(item)
-            self._credit(inflow, item, final)
+            inflow.taken += 1
+            if not final and inflow.taken - inflow.granted >= self._credit_step:
+                self._credit(inflow, item[2])
             return value
         return self._deliver(inflow, item, final)
 
@@ -508,15 +577,16 @@ class InputChannel:
             raise PayloadError(f"chunk without payload on edge {self.plan.name!r} before its end")
         assert self._inline is not None
         value = self._codec.decode(self._inline.take(descriptor))
-        self._credit(inflow, item, final)
-        return value
-
-    def _credit(self, inflow: Inflow, item: Item, final: bool) -> None:
         inflow.taken += 1
         if not final and inflow.taken - inflow.granted >= self._credit_step:
-            credit = Credit(inflow.buffer.request_id, self.plan.name, inflow.taken)
-            self._send(item[2], _encode_msg(credit))
-            inflow.granted = inflow.taken
+            self._credit(inflow, item[2])
+        return value
+
+    def _credit(self, inflow: Inflow, sender: str) -> None:
+        """Tell ``sender`` that every chunk taken so far may be replaced by new ones."""
+        credit = Credit(inflow.buffer.request_id, self.plan.name, inflow.taken)
+        self._send(sender, _encode_msg(credit))
+        inflow.granted = inflow.taken
 
     async def fetch(self, item: Item) -> Any:
         """Materialise and decode an item's payload, then release the transport's hold.

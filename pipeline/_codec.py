@@ -342,7 +342,7 @@ class PayloadCodec(Generic[T]):
             raise
         out = _state.outgoing
         if out is None:
-            return Encoded(header)
+            return Encoded(header, (), len(header))
         _state.outgoing = None
         on_device = _state.outgoing_device
         if on_device is None:

@@ -50,9 +50,10 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="m", array_like=True):
 class Chunks(_Msg, frozen=True, tag="c"):
     """A run of consecutive chunks of one request on one edge: each is an envelope.
 
-    Chunk ``first + i`` is described by ``descriptors[i]``, a descriptor of ``transport``;
-    only the run's last chunk can be the final one, as ``final`` says. A nil descriptor
-    marks a chunk without payload: the end of a stream that has no payload of its own.
+    ``descriptors`` is a msgpack array whose element ``i`` describes chunk ``first + i``: a
+    descriptor of ``transport``, or nil for a chunk without payload (the end of a stream
+    that has no payload of its own). It stays raw so that the receiving transport decodes
+    the whole array at once. Only the run's last chunk can be final, as ``final`` says.
     A sender joins the chunks of one (request, edge) that leave in the same batch into one
     run, so the key's request and edge, the sender and the timestamp travel once per run;
     every chunk still carries its own descriptor.
@@ -63,17 +64,15 @@ class Chunks(_Msg, frozen=True, tag="c"):
     first: int
     final: bool
     transport: str
-    descriptors: list[msgspec.Raw]
+    descriptors: msgspec.Raw
     sender: str
     host: str
     sent_ns: int
 
 
 class ChunksOut(_Msg, frozen=True, tag="c"):
-    """:class:`Chunks` as a sender encodes it: descriptors are still transport Structs.
-
-    It encodes to exactly the bytes of a :class:`Chunks` whose descriptors are those
-    Structs encoded, without encoding each descriptor separately first.
+    """:class:`Chunks` as a sender encodes it: its descriptors are still a list of transport
+    Structs (or None), which encodes to the array :class:`Chunks` reads raw.
     """
 
     request_id: str

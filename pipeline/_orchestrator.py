@@ -241,10 +241,7 @@ class Orchestrator:
             # await them any more, so retrieve the outcome to keep asyncio quiet.
             task.add_done_callback(_consume_outcome)
         for inflow in req.inflows.values():
-            if exc is not None:
-                inflow.buffer.abort(exc)
-            else:
-                inflow.buffer.close()
+            inflow.end(exc)
         for ch in self._to_sources.values():
             ch.forget(rid)
         for stage, k in req.route.items():

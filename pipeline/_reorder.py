@@ -174,18 +174,14 @@ class ReorderBuffer(Generic[T]):
             EndOfChannel: the final chunk was delivered, or the buffer was closed.
             BaseException: the exception given to :meth:`abort`.
         """
-        self._raise_if_ended()
-        return self.pop()
+        if self._closed or self._finished:
+            raise self._ended_error()
+        return self._take()
 
-    def peek(self) -> tuple[T, bool] | None:
-        """The next in-order ``(item, final)`` if it has arrived, left in the buffer.
-
-        Raises:
-            EndOfChannel: the final chunk was delivered, or the buffer was closed.
-            BaseException: the exception given to :meth:`abort`.
-        """
-        self._raise_if_ended()
-        return self._chunks.get(self._expected)
+    def discard(self, item: T) -> None:
+        """Hand an item taken from this buffer but never consumed to ``on_discard``."""
+        if self._on_discard is not None:
+            self._on_discard(item)
 
     async def get(self) -> tuple[T, bool]:
         """Wait for and return the next in-order ``(item, final)``.
@@ -201,7 +197,7 @@ class ReorderBuffer(Generic[T]):
             BaseException: the exception given to :meth:`abort` (RequestAborted by default).
         """
         self._raise_if_ended()
-        entry = self.pop()
+        entry = self._take()
         if entry is not None:
             return entry
         if self._waiter is not None:
@@ -220,7 +216,7 @@ class ReorderBuffer(Generic[T]):
                 self._waiter = loop.create_future()
                 await self._waiter
                 # The chunk may have landed in the same loop iteration as the deadline fired.
-                entry = self.pop()
+                entry = self._take()
                 if entry is not None:
                     return entry
                 if self._expired and not (self._closed or self._finished):
@@ -291,11 +287,7 @@ class ReorderBuffer(Generic[T]):
                 raise first
         return len(items)
 
-    def pop(self) -> tuple[T, bool] | None:
-        """Take what :meth:`peek` returned: the next in-order ``(item, final)``, or None.
-
-        Unlike :meth:`get_nowait` it does not check whether the stream has ended.
-        """
+    def _take(self) -> tuple[T, bool] | None:
         entry = self._chunks.pop(self._expected, None)
         if entry is not None:
             self._expected += 1

@@ -32,6 +32,7 @@ class InlineDescriptor(Descriptor, frozen=True, tag="inline", array_like=True):
 
 
 _decoder = msgspec.msgpack.Decoder(InlineDescriptor)
+_many_decoder = msgspec.msgpack.Decoder(list[InlineDescriptor | None])
 
 
 class _InlineEnd(AsyncResource):
@@ -46,9 +47,8 @@ class _InlineEnd(AsyncResource):
         self.chunks = 0
         self.bytes = 0
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError(f"inline {self._role} for edge {self._edge.edge!r} is closed")
+    def _closed_error(self) -> TransportError:
+        return TransportError(f"inline {self._role} for edge {self._edge.edge!r} is closed")
 
     def statistics(self) -> TransportStatistics:
         """Chunks and bytes moved so far."""
@@ -87,7 +87,8 @@ class InlineSender(_InlineEnd):
         Raises:
             TransportError: the sender is closed.
         """
-        self._check_open()
+        if self._closed:
+            raise self._closed_error()
         self.chunks += 1
         self.bytes += encoded.nbytes
         buffers = encoded.buffers
@@ -112,6 +113,21 @@ class InlineReceiver(_InlineEnd):
         except DECODE_ERRORS as exc:
             raise TransportError(f"edge {self._edge.edge!r}: bad inline descriptor: {exc}") from exc
 
+    def decode_descriptors(self, raw: bytes | memoryview) -> list[InlineDescriptor | None]:
+        """Parse a msgpack array of inline descriptors (nil for a chunk without payload).
+
+        The runtime reads a run of chunks' descriptors so, with one decode.
+
+        Raises:
+            TransportError: ``raw`` is not such an array.
+        """
+        try:
+            return _many_decoder.decode(raw)
+        except DECODE_ERRORS as exc:
+            raise TransportError(
+                f"edge {self._edge.edge!r}: bad inline descriptors: {exc}"
+            ) from exc
+
     async def get(self, descriptor: Descriptor) -> Encoded:
         """Return the payload the descriptor carries.
 
@@ -131,7 +147,8 @@ class InlineReceiver(_InlineEnd):
             raise TransportError(
                 f"edge {self._edge.edge!r}: inline receiver got a {type(descriptor).__name__}"
             )
-        self._check_open()
+        if self._closed:
+            raise self._closed_error()
         header, buffers = descriptor.header, descriptor.buffers
         nbytes = len(header) + sum(map(len, buffers)) if buffers else len(header)
         self.chunks += 1
