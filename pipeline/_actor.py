@@ -209,13 +209,13 @@ class StageActor:
     def _on_run(self, run: Chunks) -> None:
         entry = self._inputs_by_edge.get(run.edge)
         if entry is None:
-            self._garbage(len(run.descriptors))
+            self._garbage(1)
             return
         _, channel = entry
         try:
             items = channel.admit(run)
         except Exception:
-            self._garbage(len(run.descriptors))
+            self._garbage(1)
             return
         rid = run.request_id
         if rid in self._finished:

@@ -260,7 +260,8 @@ class Pipeline:
         return {
             "client": master.orch.statistics(),
             "replicas": await master.collect_statistics(),
-            "garbage": master.garbage,
+            "garbage": master.garbage + (master.local.garbage_count if master.local else 0),
+            "local_frames": master.local.frames if master.local else 0,
         }
 
     async def aclose(self) -> None:

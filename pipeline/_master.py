@@ -22,6 +22,7 @@ from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import ConfigError, PipelineError, StageUnavailable, failure_to_error
 from pipeline._host import host_identity
 from pipeline._keys import CLIENT
+from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._messages import (
     Assignment,
     ControlToMaster,
@@ -63,6 +64,7 @@ class _Replica:
     ready: bool = False
     alive: bool = True
     inflight: int = 0
+    local: str = ""
 
 
 @dataclass(slots=True)
@@ -106,6 +108,8 @@ class Master:
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_MESSAGE)
         self.outbox = Outbox(self.zctx)
+        #: Same-host workers send the client's data here instead of to ``inbox``.
+        self.local: LocalListener | None = None
         self.endpoint = ""
         self.data_endpoint = ""
         self.replicas: dict[tuple[str, int], _Replica] = {}
@@ -145,6 +149,11 @@ class Master:
             send_control=self.send_to,
         )
         self._control_reader = SocketReader(self.router, self._on_control, self._on_error)
+        if local_links_enabled():
+            self.local = LocalListener(
+                self.orch.on_data, self._on_error, max_message=MAX_DATA_MESSAGE
+            )
+            self.local.start()
         self._readers = [
             self._control_reader,
             SocketReader(self.inbox, self.orch.on_data, self._on_error),
@@ -173,7 +182,7 @@ class Master:
         table: PeerTable = {stage: {} for stage in self.spec.stages}
         for rep in self.replicas.values():
             if rep.alive:
-                table[rep.stage][rep.replica] = Peer(rep.endpoint, rep.host)
+                table[rep.stage][rep.replica] = Peer(rep.endpoint, rep.host, rep.local)
         return table
 
     # ---- receiving -----------------------------------------------------------------------
@@ -247,8 +256,17 @@ class Master:
         if old is not None and old.alive:
             self.replica_lost(msg.stage, msg.replica, "was replaced by a new registration")
         self.replicas[key] = _Replica(
-            msg.stage, msg.replica, identity, msg.host, msg.pid, msg.data_endpoint, time.monotonic()
+            msg.stage,
+            msg.replica,
+            identity,
+            msg.host,
+            msg.pid,
+            msg.data_endpoint,
+            time.monotonic(),
+            local=msg.local_endpoint,
         )
+        if self.local is not None and msg.local_endpoint and msg.host == self.host:
+            self.outbox.set_local(msg.data_endpoint, msg.local_endpoint)
         self.orch.replicas[msg.stage][msg.replica] = ReplicaView(
             msg.stage, msg.replica, msg.data_endpoint, msg.host
         )
@@ -282,7 +300,7 @@ class Master:
             self.spec.to_dict(),
             stage,
             replica,
-            Peer(self.data_endpoint, self.host),
+            Peer(self.data_endpoint, self.host, self.local.address if self.local else ""),
             self._peer_table(),
         )
 
@@ -391,6 +409,8 @@ class Master:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for reader in self._readers:
             reader.stop()
+        if self.local is not None:
+            self.local.close()
         self.outbox.close()
         self.router.close(linger=500)
         self.inbox.close(linger=0)

@@ -141,6 +141,8 @@ class Register(_Msg, frozen=True, tag="register"):
     pid: int
     data_endpoint: str
     devices: list[str] = []
+    #: Where the worker accepts same-host links (empty: ZMQ only).
+    local_endpoint: str = ""
 
 
 class Ready(_Msg, frozen=True, tag="ready"):
@@ -194,6 +196,8 @@ class Peer(msgspec.Struct, frozen=True, array_like=True):
 
     endpoint: str
     host: str
+    #: Where it accepts same-host links (empty: ZMQ only); see ``pipeline._local_link``.
+    local: str = ""
 
 
 PeerTable = dict[str, dict[int, Peer]]

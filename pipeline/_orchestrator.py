@@ -316,12 +316,12 @@ class Orchestrator:
             return
         ch = self._by_edge.get(msg.edge)
         if ch is None:
-            self.counts["garbage"] += len(msg.descriptors)
+            self.counts["garbage"] += 1
             return
         try:
             items = ch.admit(msg)
         except PipelineError:
-            self.counts["garbage"] += len(msg.descriptors)
+            self.counts["garbage"] += 1
             return
         req = self.requests.get(msg.request_id)
         if req is None:

@@ -17,11 +17,15 @@ import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import structlog
 import zmq
 
+from pipeline._local_link import LocalLink
 from pipeline._messages import encode_batch
 
 __all__ = ("Outbox", "Sealable", "SendData", "SocketReader", "bind_ephemeral", "new_context")
+
+log = structlog.get_logger("stagewire.sockets")
 
 #: Envelopes per batch a sender joins into one frame; frames per message a reader accepts.
 MAX_FRAMES = 256
@@ -139,7 +143,7 @@ class Outbox:
     waits at most one loop turn.
     """
 
-    __slots__ = ("_ctx", "_loop", "_pending", "_scheduled", "_socks")
+    __slots__ = ("_ctx", "_links", "_local", "_loop", "_pending", "_scheduled", "_socks")
 
     def __init__(self, ctx: zmq.Context[Any]) -> None:
         self._ctx = ctx
@@ -147,6 +151,35 @@ class Outbox:
         self._pending: dict[str, list[bytes | Sealable]] = {}
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Same-host link addresses by endpoint, and the links opened to them.
+        self._local: dict[str, str] = {}
+        self._links: dict[str, LocalLink] = {}
+
+    def set_local(self, endpoint: str, address: str) -> None:
+        """Send to ``endpoint`` over a same-host link to ``address`` from now on."""
+        if self._local.get(endpoint) != address:
+            self._close_link(endpoint)
+            self._local[endpoint] = address
+
+    def _link(self, endpoint: str) -> LocalLink | None:
+        link = self._links.get(endpoint)
+        if link is not None and not link.broken:
+            return link
+        address = self._local.pop(endpoint, None)
+        if address is None:
+            return None
+        try:
+            link = self._links[endpoint] = LocalLink(address)
+        except OSError as exc:
+            log.info("local_link_unavailable", endpoint=endpoint, error=repr(exc))
+            return None
+        self._local[endpoint] = address
+        return link
+
+    def _close_link(self, endpoint: str) -> None:
+        link = self._links.pop(endpoint, None)
+        if link is not None:
+            link.close()
 
     def _socket(self, endpoint: str) -> zmq.Socket[Any]:
         sock = self._socks.get(endpoint)
@@ -185,11 +218,17 @@ class Outbox:
                 self._transmit(endpoint, encode_batch(envelopes[i : i + MAX_FRAMES]))
 
     def _transmit(self, endpoint: str, frame: bytes) -> None:
+        if self._local:
+            link = self._link(endpoint)
+            if link is not None and link.send(frame):
+                return
         self._socket(endpoint).send(frame, zmq.NOBLOCK, copy=False)
 
     def forget(self, endpoint: str) -> None:
         """Close the socket to an endpoint that went away, dropping what was queued for it."""
         self._pending.pop(endpoint, None)
+        self._local.pop(endpoint, None)
+        self._close_link(endpoint)
         sock = self._socks.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
@@ -197,6 +236,10 @@ class Outbox:
     def close(self) -> None:
         """Close every socket; idempotent."""
         self._pending.clear()
+        self._local.clear()
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
         for sock in self._socks.values():
             sock.close(linger=0)
         self._socks.clear()

@@ -30,6 +30,7 @@ from pipeline._config import PipelineSpec
 from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import FailureInfo
 from pipeline._host import host_identity
+from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._logging import configure_logging
 from pipeline._messages import (
     Abort,
@@ -38,6 +39,7 @@ from pipeline._messages import (
     ControlToWorker,
     Drop,
     Failed,
+    Peer,
     Peers,
     PeerTable,
     Ready,
@@ -97,6 +99,12 @@ class _Worker:
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_MESSAGE)
         self.endpoint = bind_ephemeral(self.inbox, f"tcp://{bind_host}:0")
         self.outbox = Outbox(self.zctx)
+        #: Same-host peers send here instead of to ``inbox``; read once the actor exists.
+        self.local: LocalListener | None = None
+        if local_links_enabled():
+            self.local = LocalListener(
+                self._data_before_setup, self._on_error, max_message=MAX_DATA_MESSAGE
+            )
         self.peer_endpoints: set[str] = set()
         self.peers: PeerTable | None = None
         self.assignment: asyncio.Future[Assignment] | None = None
@@ -142,11 +150,18 @@ class _Worker:
             case StatsRequest(token=token) if actor is not None:
                 stats = actor.statistics()
                 stats["garbage"] += self.garbage
+                stats["local_frames"] = 0
+                if self.local is not None:
+                    stats["garbage"] += self.local.garbage_count
+                    stats["local_frames"] = self.local.frames
                 self.send_control(StatsReply(self.stage, self.replica, token, stats))
             case Shutdown():
                 self.stop.set()
             case _:
                 pass
+
+    def _data_before_setup(self, frames: list[bytes]) -> None:
+        raise RuntimeError("data arrived before the stage was set up")  # never: not started
 
     def _forget_departed(self, peers: PeerTable) -> None:
         # A socket to a dead replica's endpoint would hold its queued envelopes and retry
@@ -155,11 +170,26 @@ class _Worker:
         for endpoint in self.peer_endpoints - now:
             self.outbox.forget(endpoint)
         self.peer_endpoints = now
+        for replicas in peers.values():
+            for p in replicas.values():
+                self._route(p)
+
+    def _route(self, peer: Peer) -> None:
+        """Send to a peer on this host over a same-host link, when both ends have one."""
+        if self.local is not None and peer.local and peer.host == self.host:
+            self.outbox.set_local(peer.endpoint, peer.local)
 
     async def register(self, timeout: float) -> Assignment:
         self.assignment = asyncio.get_running_loop().create_future()
         self.control_reader.start()
-        register = Register(self.stage, self.replica, self.host, os.getpid(), self.endpoint)
+        register = Register(
+            self.stage,
+            self.replica,
+            self.host,
+            os.getpid(),
+            self.endpoint,
+            local_endpoint=self.local.address if self.local is not None else "",
+        )
         deadline = time.monotonic() + timeout
         while True:
             self.send_control(register)
@@ -205,10 +235,14 @@ class _Worker:
         )
         peers = self.peers if self.peers is not None else assignment.peers
         self._forget_departed(peers)
+        self._route(assignment.client)
         actor.set_peers(peers, assignment.client)
         self.actor = actor
         self.data_reader = SocketReader(self.inbox, actor.on_data, self._on_error)
         self.data_reader.start()
+        if self.local is not None:
+            self.local.set_handler(actor.on_data)
+            self.local.start()
         self.send_control(Ready(self.stage, self.replica))
         log.info("stage_started", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
         defaults = spec.defaults
@@ -260,6 +294,8 @@ class _Worker:
         self.control_reader.stop()
         if self.data_reader is not None:
             self.data_reader.stop()
+        if self.local is not None:
+            self.local.close()
         self.outbox.close()
         # A short linger lets the last control message (Goodbye, SetupFailed) leave; a dead
         # master costs at most this long at exit.

@@ -225,7 +225,7 @@ async def test_forged_chunks_cannot_grow_state_without_bound() -> None:
     s = spec({"echo": ":Echo"}, [], max_inflight=4)
     async with Pipeline(s) as pipe:
         endpoint = pipe.data_endpoints[("echo", 0)]
-        descriptor = msgspec.Raw(msgspec.msgpack.encode(InlineDescriptor(b"\x91\xa1x", [])))
+        descriptors = msgspec.Raw(msgspec.msgpack.encode([InlineDescriptor(b"\x91\xa1x", [])]))
         frames = [
             msgspec.msgpack.encode(
                 Chunks(
@@ -234,7 +234,7 @@ async def test_forged_chunks_cannot_grow_state_without_bound() -> None:
                     0,
                     True,
                     "inline",
-                    [descriptor],
+                    descriptors,
                     "tcp://127.0.0.1:9",
                     "h",
                     0,

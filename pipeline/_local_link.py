@@ -1,0 +1,333 @@
+"""Same-host data links: Unix stream sockets driven straight from the event loop.
+
+ZMQ moves every message through an I/O thread on each side, so one hop between two
+processes wakes three threads: the sender's I/O thread, the receiver's, then the receiver's
+event loop. Between processes of one host the data plane uses a Unix stream socket instead,
+which the receiver's loop reads itself: one wake-up per hop.
+
+Each process that receives data listens on a socket in the abstract namespace, so there is no
+file to leave behind: the name vanishes with its process, ``kill -9`` included. Its address
+travels in ``Register`` and ``Peer`` beside the ZMQ endpoint, which stays the data endpoint's
+identity (credit is addressed to it) and the path to other hosts. A link that cannot be
+opened or breaks falls back to ZMQ, and the receiver treats both alike: every frame is a batch
+of envelopes, and keys and credits do not depend on the order in which batches arrive.
+
+On the wire a frame is its length (4 bytes, big-endian) followed by its bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import struct
+from collections import deque
+from collections.abc import Callable
+
+import structlog
+
+__all__ = ("LocalLink", "LocalListener", "local_links_enabled")
+
+log = structlog.get_logger("stagewire.local_link")
+
+_LENGTH = struct.Struct("!I")
+#: Bytes asked of the kernel per read.
+_READ_SIZE = 1 << 18
+#: Frames at least this large are read straight into their own buffer, not via the stream's.
+_DIRECT = 1 << 20
+_PREFIX = "stagewire-"
+
+
+def local_links_enabled() -> bool:
+    """Whether same-host links are used: ``STAGEWIRE_LOCAL_LINKS=0`` sends everything by ZMQ."""
+    return os.environ.get("STAGEWIRE_LOCAL_LINKS", "1") != "0"
+
+
+def _abstract(address: str) -> str:
+    """The socket name of an address: abstract-namespace names start with a NUL byte."""
+    return "\0" + address
+
+
+class LocalLink:
+    """The sending end of one same-host link: frames queue when the socket is full.
+
+    Nothing is dropped while the link is up; the receiver's credit windows bound what can
+    queue. A broken link (the receiver died) drops what was queued, as ZMQ does for a
+    departed peer with a linger of 0.
+
+    Raises:
+        OSError: from the constructor, when nothing listens at ``address``.
+    """
+
+    __slots__ = ("_loop", "_queue", "_sock", "_writing", "address", "broken")
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(_abstract(address))
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._queue: deque[memoryview] = deque()
+        self._writing = False
+        self.broken = False
+
+    def send(self, frame: bytes) -> bool:
+        """Send or queue one frame; False when the link is broken (nothing was sent)."""
+        if self.broken:
+            return False
+        header = _LENGTH.pack(len(frame))
+        if self._queue:
+            self._queue.append(memoryview(header))
+            self._queue.append(memoryview(frame))
+            return True
+        try:
+            sent = self._sock.sendmsg((header, frame))
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._break()
+            return False
+        total = len(header) + len(frame)
+        if sent < total:
+            if sent < len(header):
+                self._queue.append(memoryview(header)[sent:])
+                self._queue.append(memoryview(frame))
+            else:
+                self._queue.append(memoryview(frame)[sent - len(header) :])
+            self._start_writing()
+        return True
+
+    def _start_writing(self) -> None:
+        if not self._writing:
+            self._writing = True
+            self._loop.add_writer(self._sock.fileno(), self._drain)
+
+    def _drain(self) -> None:
+        queue = self._queue
+        while queue:
+            head = queue[0]
+            try:
+                sent = self._sock.send(head)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._break()
+                return
+            if sent < len(head):
+                queue[0] = head[sent:]
+                return
+            queue.popleft()
+        self._writing = False
+        self._loop.remove_writer(self._sock.fileno())
+
+    def _break(self) -> None:
+        if not self.broken:
+            log.info("local_link_broken", address=self.address, dropped=len(self._queue) // 2)
+        self.broken = True
+        self.close()
+
+    def close(self) -> None:
+        """Close the link, dropping anything still queued; idempotent."""
+        self._queue.clear()
+        if self._writing:
+            self._writing = False
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_writer(self._sock.fileno())
+        self._sock.close()
+
+
+class _Inbound:
+    """One accepted connection: reads frames and hands each to the listener's callback."""
+
+    __slots__ = ("_buf", "_frame", "_got", "_listener", "sock")
+
+    def __init__(self, sock: socket.socket, listener: LocalListener) -> None:
+        self.sock = sock
+        self._listener = listener
+        self._buf = bytearray()
+        #: A large frame being read straight into its own buffer, and how much of it is in.
+        self._frame: bytearray | None = None
+        self._got = 0
+
+    def on_readable(self) -> None:
+        listener = self._listener
+        # A bounded amount per wake-up keeps one busy sender from starving the loop.
+        for _ in range(64):
+            if self._frame is not None:
+                if not self._read_direct():
+                    return
+                continue
+            try:
+                data = self.sock.recv(_READ_SIZE)
+            except BlockingIOError:
+                return
+            except OSError:
+                listener.drop(self)
+                return
+            if not data:
+                listener.drop(self)
+                return
+            self._buf += data
+            if not self._parse():
+                return
+        # More may be queued: the loop's readiness is level-triggered, so it calls again.
+
+    def _read_direct(self) -> bool:
+        """Read into the pending large frame; True when progress can continue."""
+        frame = self._frame
+        assert frame is not None
+        try:
+            with memoryview(frame) as view:
+                n = self.sock.recv_into(view[self._got :])
+        except BlockingIOError:
+            return False
+        except OSError:
+            self._listener.drop(self)
+            return False
+        if n == 0:
+            self._listener.drop(self)
+            return False
+        self._got += n
+        if self._got == len(frame):
+            self._frame = None
+            self._listener.deliver(frame, self)
+        return True
+
+    def _parse(self) -> bool:
+        """Deliver every complete frame in the stream buffer; False if the link was dropped."""
+        buf = self._buf
+        off = 0
+        size = len(buf)
+        listener = self._listener
+        while size - off >= _LENGTH.size:
+            (n,) = _LENGTH.unpack_from(buf, off)
+            if n > listener.max_message:
+                listener.garbage(f"a frame of {n} bytes is over the limit")
+                listener.drop(self)
+                return False
+            start = off + _LENGTH.size
+            if size - start < n:
+                if n >= _DIRECT:
+                    # Read the rest of a large frame into its own buffer: no second copy.
+                    frame = bytearray(n)
+                    have = size - start
+                    frame[:have] = buf[start:]
+                    self._frame, self._got = frame, have
+                    off = size
+                break
+            with memoryview(buf) as view:
+                frame_bytes = bytes(view[start : start + n])
+            off = start + n
+            if not listener.deliver(frame_bytes, self):
+                return False
+        if off:
+            del buf[:off]
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class LocalListener:
+    """Accepts same-host links and hands every frame received on them to ``on_message``.
+
+    ``on_message`` receives a one-element list holding the frame, as ZMQ readers hand over
+    the frames of one message; its exceptions go to ``on_error``, as for
+    :class:`~pipeline._sockets.SocketReader`.
+
+    Attributes:
+        address: the name peers connect to (in the abstract namespace: no file).
+        max_message: the largest frame accepted, in bytes; a larger one drops its link.
+    """
+
+    def __init__(
+        self,
+        on_message: Callable[[list[bytes]], None],
+        on_error: Callable[[BaseException, list[bytes]], None],
+        *,
+        max_message: int,
+    ) -> None:
+        self._on_message = on_message
+        self._on_error = on_error
+        self.max_message = max_message
+        self.address = f"{_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
+        sock = socket.socket(
+            socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+        )
+        sock.bind(_abstract(self.address))
+        sock.listen(64)
+        self._sock = sock
+        self._inbound: dict[int, _Inbound] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.garbage_count = 0
+        #: Frames received, over every link.
+        self.frames = 0
+
+    def start(self) -> None:
+        """Accept links and read them from the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    def set_handler(self, on_message: Callable[[list[bytes]], None]) -> None:
+        """Hand frames to ``on_message`` from now on."""
+        self._on_message = on_message
+
+    def _accept(self) -> None:
+        assert self._loop is not None
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log.warning("local_accept_failed", error=repr(exc))
+                return
+            conn.setblocking(False)
+            inbound = _Inbound(conn, self)
+            self._inbound[conn.fileno()] = inbound
+            self._loop.add_reader(conn.fileno(), inbound.on_readable)
+
+    def deliver(self, frame: bytes | bytearray, inbound: _Inbound) -> bool:
+        """Hand one frame to the callback; False if the callback closed the listener."""
+        self.frames += 1
+        frames = [frame]
+        try:
+            self._on_message(frames)  # type: ignore[arg-type]  # a bytearray reads like bytes
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self._on_error(exc, frames)  # type: ignore[arg-type]
+        return self._loop is not None
+
+    def garbage(self, why: str) -> None:
+        """Count a malformed frame."""
+        self.garbage_count += 1
+        log.warning("local_frame_dropped", why=why, count=self.garbage_count)
+
+    def drop(self, inbound: _Inbound) -> None:
+        """Stop reading a link that closed or broke."""
+        fd = inbound.sock.fileno()
+        if self._inbound.pop(fd, None) is not None and self._loop is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(fd)
+        inbound.close()
+
+    def close(self) -> None:
+        """Stop accepting and close every link; idempotent."""
+        loop, self._loop = self._loop, None
+        for inbound in list(self._inbound.values()):
+            fd = inbound.sock.fileno()
+            if loop is not None:
+                with contextlib.suppress(ValueError, OSError):
+                    loop.remove_reader(fd)
+            inbound.close()
+        self._inbound.clear()
+        if loop is not None:
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_reader(self._sock.fileno())
+        self._sock.close()

@@ -1,0 +1,165 @@
+"""Same-host links: framing over real Unix sockets, fallbacks, and their use by a pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+
+import pytest
+
+from pipeline import Pipeline
+from pipeline._local_link import LocalLink, LocalListener
+from pipeline._sockets import Outbox, new_context
+from stages.text import Text
+from tests.pipeline.conftest import spec, wait_for
+
+
+class _Collect:
+    """A listener's callbacks: every frame received, and every error raised on one."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.errors: list[BaseException] = []
+        self.arrived = asyncio.Event()
+
+    def on_message(self, frames: list[bytes]) -> None:
+        self.frames.extend(bytes(f) for f in frames)
+        self.arrived.set()
+
+    def on_error(self, exc: BaseException, frames: list[bytes]) -> None:
+        self.errors.append(exc)
+
+    async def until(self, n: int) -> None:
+        async with asyncio.timeout(10):
+            while len(self.frames) < n:
+                self.arrived.clear()
+                await self.arrived.wait()
+
+
+@pytest.fixture
+async def listener() -> tuple[LocalListener, _Collect]:
+    got = _Collect()
+    lst = LocalListener(got.on_message, got.on_error, max_message=64 << 20)
+    lst.start()
+    yield lst, got
+    lst.close()
+
+
+async def test_frames_arrive_whole_and_in_order(listener: tuple[LocalListener, _Collect]) -> None:
+    lst, got = listener
+    link = LocalLink(lst.address)
+    # Small frames, an empty one, and large ones that overrun the socket buffer, so partial
+    # writes queue and the reader takes the large-frame path.
+    frames = [os.urandom(n) for n in (1, 0, 100, 70_000, 3 << 20, 5, 9 << 20, 2)]
+    for frame in frames:
+        assert link.send(frame)
+    await got.until(len(frames))
+    assert got.frames == frames
+    assert lst.frames == len(frames)
+    link.close()
+
+
+async def test_one_frame_split_across_many_writes(listener: tuple[LocalListener, _Collect]) -> None:
+    """A frame written a few bytes at a time (as a slow kernel might deliver it) still parses."""
+    lst, got = listener
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect("\0" + lst.address)
+    body = b"stagewire" * 50
+    wire = struct.pack("!I", len(body)) + body + struct.pack("!I", 3) + b"end"
+    try:
+        for i in range(0, len(wire), 7):
+            raw.send(wire[i : i + 7])
+            await asyncio.sleep(0)
+        await got.until(2)
+    finally:
+        raw.close()
+    assert got.frames == [body, b"end"]
+
+
+async def test_an_oversized_frame_drops_the_link_and_is_counted() -> None:
+    got = _Collect()
+    lst = LocalListener(got.on_message, got.on_error, max_message=1000)
+    lst.start()
+    try:
+        link = LocalLink(lst.address)
+        assert link.send(b"x" * 10)
+        assert link.send(b"y" * 5000)
+        await got.until(1)
+
+        async def dropped() -> bool:
+            return lst.garbage_count == 1
+
+        await wait_for(dropped)
+        assert got.frames == [b"x" * 10]
+        # The next link works as before.
+        fresh = LocalLink(lst.address)
+        assert fresh.send(b"ok")
+        await got.until(2)
+        assert got.frames[-1] == b"ok"
+        fresh.close()
+        link.close()
+    finally:
+        lst.close()
+
+
+async def test_a_link_to_a_closed_listener_breaks_and_says_so() -> None:
+    got = _Collect()
+    lst = LocalListener(got.on_message, got.on_error, max_message=1 << 20)
+    lst.start()
+    link = LocalLink(lst.address)
+    lst.close()
+    with pytest.raises(OSError):
+        LocalLink(lst.address)  # nothing listens there any more
+
+    async def broken() -> bool:
+        link.send(b"z" * 65536)
+        return link.broken
+
+    await wait_for(broken)
+    assert not link.send(b"after")
+
+
+async def test_outbox_falls_back_to_zmq_when_no_link_opens() -> None:
+    """An endpoint whose same-host address has no listener is reached over ZMQ instead."""
+    ctx = new_context()
+    import zmq
+
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    outbox = Outbox(ctx)
+    try:
+        outbox.set_local(endpoint, "stagewire-nobody-listens-here")
+        outbox.send(endpoint, b"\xc0")
+        outbox.flush()
+        assert pull.poll(5000)
+        assert pull.recv() == b"\x91\xc0"  # a one-envelope batch
+    finally:
+        outbox.close()
+        pull.close()
+        ctx.term()
+
+
+async def test_a_local_pipeline_moves_its_data_over_local_links() -> None:
+    s = spec({"first": ":Echo", "second": ":Echo"}, [("first", "second")])
+    async with Pipeline(s) as pipe:
+        for i in range(20):
+            assert await pipe.submit(Text(f"r{i}")) == Text(f"r{i}")
+        stats = await pipe.statistics()
+    # Every worker received its input over a link, and so did the client its outputs.
+    assert all(r["local_frames"] > 0 for r in stats["replicas"]), stats["replicas"]
+    assert stats["local_frames"] > 0
+
+
+async def test_links_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STAGEWIRE_LOCAL_LINKS", "0")  # inherited by the spawned workers
+    s = spec({"first": ":Echo", "second": ":Echo"}, [("first", "second")])
+    async with Pipeline(s) as pipe:
+        for i in range(5):
+            assert await pipe.submit(Text(f"r{i}")) == Text(f"r{i}")
+        stats = await pipe.statistics()
+    assert [r["local_frames"] for r in stats["replicas"]] == [0, 0]
+    assert stats["local_frames"] == 0
