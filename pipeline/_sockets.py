@@ -162,18 +162,22 @@ class Outbox:
             self._local[endpoint] = address
 
     def _link(self, endpoint: str) -> LocalLink | None:
+        """The open link to ``endpoint``, opening it on first use; None: use ZMQ."""
         link = self._links.get(endpoint)
         if link is not None and not link.broken:
             return link
-        address = self._local.pop(endpoint, None)
+        address = self._local.get(endpoint)
         if address is None:
             return None
         try:
             link = self._links[endpoint] = LocalLink(address)
         except OSError as exc:
+            # Nothing listens there (the peer died, or lives in another network namespace):
+            # ZMQ reaches it from now on.
+            del self._local[endpoint]
+            self._links.pop(endpoint, None)
             log.info("local_link_unavailable", endpoint=endpoint, error=repr(exc))
             return None
-        self._local[endpoint] = address
         return link
 
     def _close_link(self, endpoint: str) -> None:
