@@ -223,9 +223,11 @@ class StageActor:
             for item in items:
                 channel.discard(item)
             return
-        if rid not in self._requests and len(self._requests) >= self._max_requests:
-            # Chunks may precede their Admit, but never by more than the admitted requests:
-            # past that they are forged or stale, and must not grow state without bound.
+        if (
+            rid not in self._requests
+            and len(self._requests) >= self._max_requests
+            and not self._evict_unadmitted()
+        ):
             self._garbage(len(items))
             for item in items:
                 channel.discard(item)
@@ -236,6 +238,22 @@ class StageActor:
         if buf.buffered > self.peak_buffered:
             self.peak_buffered = buf.buffered
         self._maybe_start(req)
+
+    def _evict_unadmitted(self) -> bool:
+        """Make room by forgetting the oldest request whose chunks came but no Admit.
+
+        Chunks may precede their Admit (data and control travel apart), but state must not
+        grow without bound: past ``2 * max_inflight`` requests, the oldest never-admitted
+        one goes, counted as garbage. It is forged or stale, or its Admit is overdue, so a
+        flood of forged chunks cannot lock out the chunks of real requests that arrive just
+        before their Admit. False when every held request is admitted.
+        """
+        for rid, req in self._requests.items():
+            if req.route is None:
+                self._garbage(1)
+                self.forget(rid, RequestAborted(rid, "never admitted"))
+                return True
+        return False
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)
