@@ -31,7 +31,7 @@ from pipeline._errors import (
 )
 from pipeline._keys import CLIENT
 from pipeline._latency import LatencyRecorder
-from pipeline._messages import Chunks, Credit, Peer, PeerTable, decode_batch
+from pipeline._messages import Abort, Admit, Chunks, Credit, Peer, PeerTable, decode_batch
 from pipeline._signature import EdgePlan, StagePlan
 from pipeline._sockets import MAX_FRAMES, SendData
 from pipeline._stage import Context, Outputs, Stage, Stream
@@ -193,12 +193,18 @@ class StageActor:
                 self._garbage(1)
                 continue
             for msg in batch:
-                if isinstance(msg, Credit):
+                if isinstance(msg, Chunks):
+                    self._on_run(msg)
+                elif isinstance(msg, Credit):
                     out = self._outputs_by_edge.get(msg.edge)
                     if out is not None:
                         out.on_credit(msg)
+                elif isinstance(msg, Admit):
+                    self.admit(msg.request_id, msg.route)
+                elif isinstance(msg, Abort):
+                    self.abort(msg.request_id, msg.reason)
                 else:
-                    self._on_run(msg)
+                    self.forget(msg.request_id)
 
     def _garbage(self, n: int) -> None:
         before = self.counts["garbage"]

@@ -24,8 +24,11 @@ from pipeline._host import host_identity
 from pipeline._keys import CLIENT
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._messages import (
+    Abort,
+    Admit,
     Assignment,
     ControlToMaster,
+    Drop,
     Failed,
     Heartbeat,
     Peer,
@@ -173,10 +176,18 @@ class Master:
         self._control_reader.kick()
 
     def send_to(self, stage: str, replica: int, msg: Any) -> None:
-        """Send a control message to one replica, if it is registered."""
+        """Send a message to one replica, if it is registered and alive.
+
+        A request's ``Admit``, ``Abort`` and ``Drop`` go on the data path: in the same batch
+        as (and ahead of) the request's input, so a source never holds input waiting for
+        its Admit. Everything else goes on the control socket.
+        """
         rep = self.replicas.get((stage, replica))
         if rep is not None and rep.alive:
-            self._send(rep.identity, msg)
+            if isinstance(msg, Admit | Abort | Drop):
+                self.outbox.send(rep.endpoint, _encode(msg))
+            else:
+                self._send(rep.identity, msg)
 
     def _peer_table(self) -> PeerTable:
         table: PeerTable = {stage: {} for stage in self.spec.stages}

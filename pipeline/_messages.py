@@ -98,11 +98,6 @@ class Credit(_Msg, frozen=True, tag="k"):
     upto: int
 
 
-DataMessage = Chunks | Credit
-
-_batch_decoder = msgspec.msgpack.Decoder(list[DataMessage])
-
-
 def encode_batch(envelopes: list[bytes]) -> bytes:
     """Join encoded data messages into one msgpack array: one frame, one decode.
 
@@ -252,3 +247,13 @@ class Shutdown(_Msg, frozen=True, tag="shutdown"):
 
 
 ControlToWorker = Assignment | Peers | Admit | Abort | Drop | Heartbeat | StatsRequest | Shutdown
+
+
+# ---- what a data socket accepts -----------------------------------------------------------
+
+#: Stage to stage: chunks and credit. Master to stage: the request messages too (``Admit``,
+#: ``Abort``, ``Drop``), which the master sends on the data path so that they travel with
+#: (and before) a request's first chunks instead of racing them on another socket.
+DataMessage = Chunks | Credit | Admit | Abort | Drop
+
+_batch_decoder = msgspec.msgpack.Decoder(list[DataMessage])

@@ -27,7 +27,7 @@ from pipeline._errors import (
     StageUnavailable,
 )
 from pipeline._keys import CLIENT
-from pipeline._messages import Abort, Admit, Chunks, Credit, Drop, decode_batch
+from pipeline._messages import Abort, Admit, Chunks, Credit, DataMessage, Drop, decode_batch
 from pipeline._signature import PipelinePlan
 from pipeline._sockets import MAX_FRAMES, SendData
 
@@ -308,11 +308,14 @@ class Orchestrator:
             for msg in batch:
                 self._on_message(msg)
 
-    def _on_message(self, msg: Chunks | Credit) -> None:
+    def _on_message(self, msg: DataMessage) -> None:
         if isinstance(msg, Credit):
             out = self._src_by_edge.get(msg.edge)
             if out is not None:
                 out.on_credit(msg)
+            return
+        if not isinstance(msg, Chunks):
+            self.counts["garbage"] += 1  # request messages go to stages, never to the client
             return
         ch = self._by_edge.get(msg.edge)
         if ch is None:
