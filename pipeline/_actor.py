@@ -33,7 +33,7 @@ from pipeline._keys import CLIENT
 from pipeline._latency import LatencyRecorder
 from pipeline._messages import Abort, Admit, Chunks, Credit, Peer, PeerTable, decode_batch
 from pipeline._signature import EdgePlan, StagePlan
-from pipeline._sockets import MAX_FRAMES, SendData
+from pipeline._sockets import MAX_FRAMES, Outbox, SendData
 from pipeline._stage import Context, Outputs, Stage, Stream
 
 __all__ = ("StageActor",)
@@ -42,6 +42,36 @@ log = structlog.get_logger("stagewire.actor")
 
 #: How many finished request ids a replica remembers, to discard their late chunks.
 FINISHED_MEMORY = 65536
+#: A handler that computed this long for one chunk, with no batch leaving meanwhile, is
+#: compute-bound: its chunks leave as they come (see :class:`_Pacer`).
+EAGER_SEND_S = 100e-6
+
+
+class _Pacer:
+    """Sends a compute-bound handler's chunks as they come, not when its loop turn ends.
+
+    Chunks are batched per event-loop turn, and a turn lasts as long as a handler runs
+    without awaiting anything that suspends. A handler that computes between its yields
+    (a prefill layer, a decode step) would then send all its chunks at its end. So after
+    each chunk: if producing it took longer than :data:`EAGER_SEND_S` and no batch left
+    meanwhile, the batch leaves now. Streams of quick chunks still batch.
+    """
+
+    __slots__ = ("_flushes", "_last", "_outbox")
+
+    def __init__(self, outbox: Outbox) -> None:
+        self._outbox = outbox
+        self._last = time.perf_counter()
+        self._flushes = outbox.flushes
+
+    def sent(self) -> None:
+        """Note that a chunk was queued, and send it at once if the handler is slow."""
+        outbox = self._outbox
+        now = time.perf_counter()
+        if now - self._last > EAGER_SEND_S and outbox.flushes == self._flushes:
+            outbox.flush()
+        self._last = now
+        self._flushes = outbox.flushes
 
 
 class _Request:
@@ -74,12 +104,15 @@ class StageActor:
         send: SendData,
         report_failure: Callable[[FailureInfo], None],
         max_inflight: int = 1024,
+        outbox: Outbox | None = None,
     ) -> None:
         self.plan = plan
         self.stage = plan.name
         self.replica = replica
         self.instance = instance
         self._report_failure = report_failure
+        #: Where ``send`` queues: a handler's stream loop flushes it when it computes slowly.
+        self._outbox = outbox
         self._inputs_by_edge: dict[str, tuple[str, InputChannel]] = {
             e.name: (param, InputChannel(e, host=host, send=send))
             for param, e in plan.inputs.items()
@@ -329,10 +362,13 @@ class StageActor:
             agen = process(**kwargs, ctx=ctx)
             single = self._only_output
             rid = req.request_id
+            pacer = _Pacer(self._outbox) if self._outbox is not None else None
             try:
                 if single is None:
                     async for value in agen:
                         await self._emit(req, value, final=False)
+                        if pacer is not None:
+                            pacer.sent()
                 else:
                     # One output: encode and send each chunk without a coroutine when it
                     # needs no waiting, as a stream of small chunks usually does.
@@ -345,6 +381,8 @@ class StageActor:
                             target = self._target(dst, req)
                         if not try_send(rid, encoded, False, target):
                             await out.send(rid, encoded, False, target)
+                        if pacer is not None:
+                            pacer.sent()
             finally:
                 await agen.aclose()
             await self._end(req)

@@ -143,7 +143,16 @@ class Outbox:
     waits at most one loop turn.
     """
 
-    __slots__ = ("_ctx", "_links", "_local", "_loop", "_pending", "_scheduled", "_socks")
+    __slots__ = (
+        "_ctx",
+        "_links",
+        "_local",
+        "_loop",
+        "_pending",
+        "_scheduled",
+        "_socks",
+        "flushes",
+    )
 
     def __init__(self, ctx: zmq.Context[Any]) -> None:
         self._ctx = ctx
@@ -154,6 +163,8 @@ class Outbox:
         #: Same-host link addresses by endpoint, and the links opened to them.
         self._local: dict[str, str] = {}
         self._links: dict[str, LocalLink] = {}
+        #: How many times the queue was flushed: a change means a batch may have left.
+        self.flushes = 0
 
     def set_local(self, endpoint: str, address: str) -> None:
         """Send to ``endpoint`` over a same-host link to ``address`` from now on."""
@@ -215,6 +226,7 @@ class Outbox:
     def flush(self) -> None:
         """Send everything queued, one multi-frame message per peer (HWM 0: never blocks)."""
         self._scheduled = False
+        self.flushes += 1
         pending, self._pending = self._pending, {}
         for endpoint, queued in pending.items():
             envelopes = [e if isinstance(e, bytes) else e.seal() for e in queued]

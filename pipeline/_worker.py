@@ -232,6 +232,7 @@ class _Worker:
             send=self.outbox.send,
             report_failure=self.report_failure,
             max_inflight=spec.defaults.max_inflight,
+            outbox=self.outbox,
         )
         peers = self.peers if self.peers is not None else assignment.peers
         self._forget_departed(peers)

@@ -13,6 +13,8 @@ from pydantic import BaseModel
 from pipeline import Context, Outputs, Stage, Stream
 from stages.text import Text, Token
 
+#: Simulated compute before each chunk of Crunch.
+CRUNCH_S = 0.25
 #: Simulated work of a batch (not a synchronisation: the stage is doing its job).
 BATCH_WORK_S = 0.001
 #: Simulated work of a Gauge request: long enough that concurrent arrivals overlap even on
@@ -40,6 +42,16 @@ class Tokens(Stage):
         for i, word in enumerate(text.value.split()):
             if word == "stall" and i > 0:
                 await asyncio.Event().wait()  # never set: the stream stalls until aborted
+            yield Token(i, word)
+
+
+class Crunch(Stage):
+    """Streams the words of a text, computing (blocking its loop) for CRUNCH_S before each."""
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Token]:
+        for i, word in enumerate(text.value.split()):
+            # Stands for compute that holds the loop (a model layer): on purpose, no await.
+            time.sleep(CRUNCH_S)  # noqa: ASYNC251
             yield Token(i, word)
 
 

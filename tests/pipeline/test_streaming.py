@@ -45,6 +45,23 @@ async def test_stream_yields_the_sink_output(demo: Pipeline) -> None:
     assert chunks == [Text("ONE TWO THREE")]
 
 
+async def test_a_computing_stage_streams_its_chunks_as_it_makes_them() -> None:
+    """A handler that computes between yields without awaiting still streams: each chunk
+    leaves when it is made, not with the last one when the handler finally yields the loop."""
+    import time
+
+    from tests.pipeline.sample_stages import CRUNCH_S
+
+    s = spec({"crunch": ":Crunch", "relay": ":Relay"}, [("crunch", "relay")])
+    async with Pipeline(s) as pipe:
+        arrivals = []
+        async for chunk in pipe.stream(Text("a b c")):
+            arrivals.append((time.monotonic(), chunk))
+    assert [c.value for _, c in arrivals] == ["a", "b", "c"]
+    # Made CRUNCH_S apart; sent all at once they would arrive within a few milliseconds.
+    assert arrivals[-1][0] - arrivals[0][0] > 1.5 * CRUNCH_S, arrivals
+
+
 async def test_empty_stream_still_completes(demo: Pipeline) -> None:
     """A source that yields nothing still ends the stream downstream."""
     assert await demo.submit(Text("")) == Text("")
