@@ -105,6 +105,7 @@ class StageActor:
         report_failure: Callable[[FailureInfo], None],
         max_inflight: int = 1024,
         outbox: Outbox | None = None,
+        token: bytes = b"",
     ) -> None:
         self.plan = plan
         self.stage = plan.name
@@ -113,6 +114,8 @@ class StageActor:
         self._report_failure = report_failure
         #: Where ``send`` queues: a handler's stream loop flushes it when it computes slowly.
         self._outbox = outbox
+        #: What the master's request messages on the data path must carry.
+        self._token = token
         self._inputs_by_edge: dict[str, tuple[str, InputChannel]] = {
             e.name: (param, InputChannel(e, host=host, send=send))
             for param, e in plan.inputs.items()
@@ -232,6 +235,8 @@ class StageActor:
                     out = self._outputs_by_edge.get(msg.edge)
                     if out is not None:
                         out.on_credit(msg)
+                elif not self._token or msg.token != self._token:
+                    self._garbage(1)  # a request message that is not the master's
                 elif isinstance(msg, Admit):
                     self.admit(msg.request_id, msg.route)
                 elif isinstance(msg, Abort):

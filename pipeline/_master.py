@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +102,8 @@ class Master:
         self.spec = plan.spec
         self._bind = bind or plan.spec.master.bind
         self.host = host_identity()
+        #: Carried by the request messages the master sends on the data path.
+        self.token = os.urandom(16)
         self.zctx = new_context()
         self.router = self.zctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -150,6 +153,7 @@ class Master:
             endpoint=self.data_endpoint,
             send_data=self.outbox.send,
             send_control=self.send_to,
+            token=self.token,
         )
         self._control_reader = SocketReader(self.router, self._on_control, self._on_error)
         if local_links_enabled():
@@ -313,6 +317,7 @@ class Master:
             replica,
             Peer(self.data_endpoint, self.host, self.local.address if self.local else ""),
             self._peer_table(),
+            self.token,
         )
 
     # ---- liveness ------------------------------------------------------------------------

@@ -206,6 +206,8 @@ class Assignment(_Msg, frozen=True, tag="assign"):
     replica: int
     client: Peer
     peers: PeerTable
+    #: What the master's request messages carry when they come on the data path.
+    token: bytes = b""
 
 
 class Peers(_Msg, frozen=True, tag="peers"):
@@ -219,6 +221,9 @@ class Admit(_Msg, frozen=True, tag="admit"):
 
     request_id: str
     route: dict[str, int]
+    #: The pipeline's token (``Assignment.token``): on the data path, which anyone who can
+    #: reach a data socket may write to, a request message without it is garbage.
+    token: bytes = b""
 
 
 class Abort(_Msg, frozen=True, tag="abort"):
@@ -226,12 +231,14 @@ class Abort(_Msg, frozen=True, tag="abort"):
 
     request_id: str
     reason: str
+    token: bytes = b""
 
 
 class Drop(_Msg, frozen=True, tag="drop"):
     """A request completed: forget everything held for it."""
 
     request_id: str
+    token: bytes = b""
 
 
 class StatsRequest(_Msg, frozen=True, tag="stats?"):

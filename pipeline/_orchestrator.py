@@ -78,8 +78,10 @@ class Orchestrator:
         endpoint: str,
         send_data: SendData,
         send_control: Callable[[str, int, Any], None],
+        token: bytes = b"",
     ) -> None:
         self.plan = plan
+        self._token = token
         self._send_control = send_control
         defaults = plan.spec.defaults
         self._timeout = defaults.request_timeout
@@ -155,7 +157,7 @@ class Orchestrator:
         self.requests[rid] = req
         self.counts["submitted"] += 1
         self.peak_active = max(self.peak_active, len(self.requests))
-        admit = Admit(rid, route)
+        admit = Admit(rid, route, self._token)
         for stage, r in chosen.items():
             r.requests.add(rid)
             self._send_control(stage, r.replica, admit)
@@ -255,7 +257,7 @@ class Orchestrator:
         req = self._finish(rid, None)
         if req is not None:
             self.counts["completed"] += 1
-            drop = Drop(rid)
+            drop = Drop(rid, self._token)
             for stage, k in req.route.items():
                 self._send_control(stage, k, drop)
 
@@ -270,7 +272,7 @@ class Orchestrator:
         req.error = exc
         self._finish(rid, exc)
         self.counts[outcome] += 1
-        abort = Abort(rid, str(exc))
+        abort = Abort(rid, str(exc), self._token)
         for stage, k in req.route.items():
             self._send_control(stage, k, abort)
 

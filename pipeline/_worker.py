@@ -233,6 +233,7 @@ class _Worker:
             report_failure=self.report_failure,
             max_inflight=spec.defaults.max_inflight,
             outbox=self.outbox,
+            token=assignment.token,
         )
         peers = self.peers if self.peers is not None else assignment.peers
         self._forget_departed(peers)

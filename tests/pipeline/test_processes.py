@@ -220,7 +220,7 @@ async def test_forged_chunks_cannot_grow_state_without_bound() -> None:
     never at the expense of real requests."""
     import msgspec
 
-    from pipeline._messages import Chunks, encode_batch
+    from pipeline._messages import Admit, Chunks, encode_batch
     from transports.inline import InlineDescriptor
 
     s = spec({"echo": ":Echo"}, [], max_inflight=4)
@@ -243,6 +243,11 @@ async def test_forged_chunks_cannot_grow_state_without_bound() -> None:
             )
             for i in range(50)
         ]
+        # Request messages are taken from a data socket only with the master's token.
+        frames += [
+            msgspec.msgpack.encode(Admit(f"forged-admit-{i}", {"echo": 0}, b"not the token"))
+            for i in range(20)
+        ]
         ctx = zmq.Context()
         try:
             push = ctx.socket(zmq.PUSH)
@@ -254,7 +259,7 @@ async def test_forged_chunks_cannot_grow_state_without_bound() -> None:
             ctx.term()
 
         async def counted() -> bool:
-            return (await pipe.statistics())["replicas"][0]["garbage"] >= 50 - 8
+            return (await pipe.statistics())["replicas"][0]["garbage"] >= 50 - 8 + 20
 
         await wait_for(counted)
         assert (await pipe.statistics())["replicas"][0]["active"] <= 8
