@@ -536,7 +536,7 @@ class InputChannel:
                 return self._deliver(inflow, got[0], final)
             inflow.held = got  # a transport to fetch from: next() awaits it
             return NOT_READY
-        value = self._codec.decode(inline.take(descriptor))
+        value = inline.read(descriptor, self._codec)  # type: ignore[arg-type]
         inflow.taken += 1
         if not final and inflow.taken - inflow.granted >= self._credit_step:
             self._credit(inflow, sender)
@@ -576,7 +576,7 @@ class InputChannel:
                 raise EndOfChannel
             raise PayloadError(f"chunk without payload on edge {self.plan.name!r} before its end")
         assert self._inline is not None
-        value = self._codec.decode(self._inline.take(descriptor))
+        value = self._inline.read(descriptor, self._codec)  # type: ignore[arg-type]
         inflow.taken += 1
         if not final and inflow.taken - inflow.granted >= self._credit_step:
             self._credit(inflow, item[2])

@@ -369,7 +369,20 @@ class PayloadCodec(Generic[T]):
             if device_buffers:
                 _state.incoming_device = device_buffers
         try:
-            return self._decoder.decode(encoded.header)
+            return self.decode_header(encoded.header)
+        finally:
+            if buffers:
+                _state.incoming = ()
+                _state.incoming_device = None
+
+    def decode_header(self, header: bytes) -> T:
+        """Decode a payload that has no out-of-band buffers from its header alone.
+
+        Raises:
+            PayloadError: as :meth:`decode`; a header that references buffers finds none.
+        """
+        try:
+            return self._decoder.decode(header)
         except msgspec.ValidationError as e:
             message = str(e)
             _, sep, rest = message.rpartition(" - at `")
@@ -377,10 +390,6 @@ class PayloadCodec(Generic[T]):
             raise PayloadError(f"invalid {self._name()} payload: {message}", field=field) from e
         except DECODE_ERRORS as e:
             raise PayloadError(f"malformed {self._name()} payload header: {e}") from e
-        finally:
-            if buffers:
-                _state.incoming = ()
-                _state.incoming_device = None
 
     def _name(self) -> str:
         return self._check.__qualname__ if self._check is not None else repr(self.type)

@@ -6,7 +6,7 @@ descriptor can be read any number of times. ``auto`` picks it for small payloads
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import msgspec
 
@@ -21,7 +21,12 @@ from transports._protocol import (
 )
 from transports._resource import AsyncResource
 
+if TYPE_CHECKING:
+    from pipeline._codec import PayloadCodec
+
 __all__ = ("InlineDescriptor", "InlineReceiver", "InlineSender", "InlineTransport")
+
+T = TypeVar("T")
 
 
 class InlineDescriptor(Descriptor, frozen=True, tag="inline", array_like=True):
@@ -154,6 +159,23 @@ class InlineReceiver(_InlineEnd):
         self.chunks += 1
         self.bytes += nbytes
         return Encoded(header, tuple(buffers), nbytes)
+
+    def read(self, descriptor: InlineDescriptor, codec: PayloadCodec[T]) -> T:
+        """The payload a descriptor carries, decoded by ``codec``: :meth:`take` and decode
+        in one step, without an intermediate :class:`Encoded` when it has no buffers.
+
+        Raises:
+            TransportError: the receiver is closed.
+            PayloadError: the payload does not decode as ``codec``'s type.
+        """
+        if self._closed:
+            raise self._closed_error()
+        if descriptor.buffers:
+            return codec.decode(self.take(descriptor))
+        header = descriptor.header
+        self.chunks += 1
+        self.bytes += len(header)
+        return codec.decode_header(header)
 
     async def release(self, descriptor: Descriptor) -> None:
         """Nothing to free: the payload lived in the envelope.
