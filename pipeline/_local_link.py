@@ -235,11 +235,11 @@ class _Inbound:
 
 
 class LocalListener:
-    """Accepts same-host links and hands every frame received on them to ``on_message``.
+    """Accepts same-host links and hands every frame received on them to a callback.
 
-    ``on_message`` receives a one-element list holding the frame, as ZMQ readers hand over
-    the frames of one message; its exceptions go to ``on_error``, as for
-    :class:`~pipeline._sockets.SocketReader`.
+    The callback (given to :meth:`start`) receives a one-element list holding the frame,
+    as ZMQ readers hand over the frames of one message; its exceptions go to ``on_error``,
+    as for :class:`~pipeline._sockets.SocketReader`.
 
     Attributes:
         address: the name peers connect to (in the abstract namespace: no file).
@@ -248,12 +248,11 @@ class LocalListener:
 
     def __init__(
         self,
-        on_message: Callable[[list[bytes]], None],
         on_error: Callable[[BaseException, list[bytes]], None],
         *,
         max_message: int,
     ) -> None:
-        self._on_message = on_message
+        self._on_message: Callable[[list[bytes]], None] | None = None
         self._on_error = on_error
         self.max_message = max_message
         self.address = f"{_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
@@ -269,14 +268,16 @@ class LocalListener:
         #: Frames received, over every link.
         self.frames = 0
 
-    def start(self) -> None:
-        """Accept links and read them from the running event loop."""
+    def start(self, on_message: Callable[[list[bytes]], None]) -> None:
+        """Accept links and hand every frame read on them to ``on_message``.
+
+        Until then, peers that connect wait in the backlog and what they write waits in
+        their sockets: a worker binds at start-up (its address goes in ``Register``) but
+        reads only once its stage is set up.
+        """
+        self._on_message = on_message
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.fileno(), self._accept)
-
-    def set_handler(self, on_message: Callable[[list[bytes]], None]) -> None:
-        """Hand frames to ``on_message`` from now on."""
-        self._on_message = on_message
 
     def _accept(self) -> None:
         assert self._loop is not None
@@ -297,6 +298,7 @@ class LocalListener:
         """Hand one frame to the callback; False if the callback closed the listener."""
         self.frames += 1
         frames = [frame]
+        assert self._on_message is not None  # set by start(), before any link is read
         try:
             self._on_message(frames)  # type: ignore[arg-type]  # a bytearray reads like bytes
         except Exception as exc:

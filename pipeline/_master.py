@@ -157,10 +157,8 @@ class Master:
         )
         self._control_reader = SocketReader(self.router, self._on_control, self._on_error)
         if local_links_enabled():
-            self.local = LocalListener(
-                self.orch.on_data, self._on_error, max_message=MAX_DATA_MESSAGE
-            )
-            self.local.start()
+            self.local = LocalListener(self._on_error, max_message=MAX_DATA_MESSAGE)
+            self.local.start(self.orch.on_data)
         self._readers = [
             self._control_reader,
             SocketReader(self.inbox, self.orch.on_data, self._on_error),

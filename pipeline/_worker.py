@@ -102,9 +102,7 @@ class _Worker:
         #: Same-host peers send here instead of to ``inbox``; read once the actor exists.
         self.local: LocalListener | None = None
         if local_links_enabled():
-            self.local = LocalListener(
-                self._data_before_setup, self._on_error, max_message=MAX_DATA_MESSAGE
-            )
+            self.local = LocalListener(self._on_error, max_message=MAX_DATA_MESSAGE)
         self.peer_endpoints: set[str] = set()
         self.peers: PeerTable | None = None
         self.assignment: asyncio.Future[Assignment] | None = None
@@ -159,9 +157,6 @@ class _Worker:
                 self.stop.set()
             case _:
                 pass
-
-    def _data_before_setup(self, frames: list[bytes]) -> None:
-        raise RuntimeError("data arrived before the stage was set up")  # never: not started
 
     def _forget_departed(self, peers: PeerTable) -> None:
         # A socket to a dead replica's endpoint would hold its queued envelopes and retry
@@ -243,8 +238,7 @@ class _Worker:
         self.data_reader = SocketReader(self.inbox, actor.on_data, self._on_error)
         self.data_reader.start()
         if self.local is not None:
-            self.local.set_handler(actor.on_data)
-            self.local.start()
+            self.local.start(actor.on_data)
         self.send_control(Ready(self.stage, self.replica))
         log.info("stage_started", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
         defaults = spec.defaults

@@ -41,8 +41,8 @@ class _Collect:
 @pytest.fixture
 async def listener() -> tuple[LocalListener, _Collect]:
     got = _Collect()
-    lst = LocalListener(got.on_message, got.on_error, max_message=64 << 20)
-    lst.start()
+    lst = LocalListener(got.on_error, max_message=64 << 20)
+    lst.start(got.on_message)
     yield lst, got
     lst.close()
 
@@ -71,6 +71,7 @@ async def test_one_frame_split_across_many_writes(listener: tuple[LocalListener,
     try:
         for i in range(0, len(wire), 7):
             raw.send(wire[i : i + 7])
+            # A scheduling point, not a wait: the listener reads each piece on its own.
             await asyncio.sleep(0)
         await got.until(2)
     finally:
@@ -80,8 +81,8 @@ async def test_one_frame_split_across_many_writes(listener: tuple[LocalListener,
 
 async def test_an_oversized_frame_drops_the_link_and_is_counted() -> None:
     got = _Collect()
-    lst = LocalListener(got.on_message, got.on_error, max_message=1000)
-    lst.start()
+    lst = LocalListener(got.on_error, max_message=1000)
+    lst.start(got.on_message)
     try:
         link = LocalLink(lst.address)
         assert link.send(b"x" * 10)
@@ -106,8 +107,8 @@ async def test_an_oversized_frame_drops_the_link_and_is_counted() -> None:
 
 async def test_a_link_to_a_closed_listener_breaks_and_says_so() -> None:
     got = _Collect()
-    lst = LocalListener(got.on_message, got.on_error, max_message=1 << 20)
-    lst.start()
+    lst = LocalListener(got.on_error, max_message=1 << 20)
+    lst.start(got.on_message)
     link = LocalLink(lst.address)
     lst.close()
     with pytest.raises(OSError):
