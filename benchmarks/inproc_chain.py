@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -60,6 +61,7 @@ async def build() -> tuple[Orchestrator, list[StageActor]]:
     routes: dict[str, Any] = {}
     outbox = LoopbackOutbox(routes)
     actors: dict[str, StageActor] = {}
+    token = os.urandom(16)
     for name, stage_plan in plan.stages.items():
         instance = stage_plan.signature.cls(
             params=stage_plan.params, name=name, replica=0, device=stage_plan.spec.device
@@ -76,6 +78,7 @@ async def build() -> tuple[Orchestrator, list[StageActor]]:
             # No pacing (it flushes a handler's chunks when it computes slowly): under
             # valgrind every chunk would look slow, and the count would not compare.
             outbox=None,
+            token=token,
         )
 
     def control(stage: str, replica: int, msg: Any) -> None:
@@ -85,7 +88,12 @@ async def build() -> tuple[Orchestrator, list[StageActor]]:
             actors[stage].forget(msg.request_id)
 
     orch = Orchestrator(
-        plan, host=HOST, endpoint=CLIENT_ENDPOINT, send_data=outbox.send, send_control=control
+        plan,
+        host=HOST,
+        endpoint=CLIENT_ENDPOINT,
+        send_data=outbox.send,
+        send_control=control,
+        token=token,
     )
     peers = {name: {0: Peer(f"inproc://{name}", HOST)} for name in actors}
     for name, actor in actors.items():

@@ -3,8 +3,10 @@
 Chunks are filed into a reorder buffer per (request, input edge) as they arrive. A
 request's handler starts once the orchestrator admitted it and its first chunk is here,
 under the replica's ``max_concurrency`` limit. The handler's outputs become chunks on the
-outgoing edges. Completion, failure and abort all end in :meth:`StageActor.forget`, which
-releases everything held for the request.
+outgoing edges; ahead of a request's first chunk to each downstream replica goes the
+orchestrator's ``Admit``, relayed (see :meth:`StageActor._target`). Completion, failure
+and abort all end in :meth:`StageActor.forget`, which releases everything held for the
+request.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ from pipeline._errors import (
 )
 from pipeline._keys import CLIENT
 from pipeline._latency import LatencyRecorder
-from pipeline._messages import Abort, Admit, Chunks, Credit, Peer, PeerTable, decode_batch
+from pipeline._messages import (
+    Abort,
+    Admit,
+    Chunks,
+    Credit,
+    Peer,
+    PeerTable,
+    decode_batch,
+    encode_message,
+)
 from pipeline._signature import EdgePlan, StagePlan
 from pipeline._sockets import MAX_FRAMES, Outbox, SendData
 from pipeline._stage import Context, Outputs, Stage, Stream
@@ -75,7 +86,17 @@ class _Pacer:
 
 
 class _Request:
-    __slots__ = ("created", "ctx", "inflows", "request_id", "route", "started", "targets", "task")
+    __slots__ = (
+        "admit",
+        "created",
+        "ctx",
+        "inflows",
+        "request_id",
+        "route",
+        "started",
+        "targets",
+        "task",
+    )
 
     def __init__(self, request_id: str, inflows: dict[str, Inflow]) -> None:
         self.request_id = request_id
@@ -83,6 +104,8 @@ class _Request:
         #: moves fails the requests it held, so a request never needs a second lookup.
         self.targets: dict[str, SendTarget] = {}
         self.route: dict[str, int] | None = None
+        #: The orchestrator's Admit, encoded once, for the downstream replicas.
+        self.admit: bytes | None = None
         self.inflows = inflows
         self.task: asyncio.Task[None] | None = None
         self.ctx: Context | None = None
@@ -112,6 +135,7 @@ class StageActor:
         self.replica = replica
         self.instance = instance
         self._report_failure = report_failure
+        self._send_data = send
         #: Where ``send`` queues: a handler's stream loop flushes it when it computes slowly.
         self._outbox = outbox
         #: What the master's request messages on the data path must carry.
@@ -161,20 +185,30 @@ class StageActor:
             self._client = client
 
     def _target(self, dst: str, req: _Request) -> SendTarget:
+        """Where ``dst``'s chunks of ``req`` go; the first time, the Admit goes there too.
+
+        The orchestrator sends its ``Admit`` (with the pipeline's token) to the source
+        stages only, and every stage relays it to each downstream replica ahead of the
+        request's first chunk there, in the same batch. A downstream stage then learns of
+        a request exactly when its data starts to come, and no stage is woken for a
+        request before it has work.
+        """
         target = req.targets.get(dst)
         if target is not None:
             return target
-        assert req.route is not None
+        route = req.route
+        assert route is not None
         if dst == CLIENT:
             assert self._client is not None
             target = SendTarget(self._client.endpoint, self._client.host)
         else:
-            peer = self._peers.get(dst, {}).get(req.route[dst])
+            peer = self._peers.get(dst, {}).get(route[dst])
             if peer is None:
-                raise StageUnavailable(
-                    dst, f"replica {req.route[dst]} is not known to {self.stage!r}"
-                )
+                raise StageUnavailable(dst, f"replica {route[dst]} is not known to {self.stage!r}")
             target = SendTarget(peer.endpoint, peer.host)
+            if req.admit is None:
+                req.admit = encode_message(Admit(req.request_id, route, self._token))
+            self._send_data(peer.endpoint, req.admit)
         req.targets[dst] = target
         return target
 
@@ -352,10 +386,17 @@ class StageActor:
                 self.counts["failed"] += 1
                 if rid in self._requests:
                     self._report_failure(error_to_failure(exc, stage=self.stage, request_id=rid))
+                    req.task = None  # ending anyway: forget() must not cancel it
                     self.forget(rid, exc)
                 return
             self.counts["completed"] += 1
             self.latency.add((time.perf_counter() - t0) * 1e6)
+            # Every output got its final chunk: nothing here is needed any more. Chunks
+            # still coming (a handler may return before its stream ends) are late now, and
+            # are released as they come.
+            if self._requests.get(rid) is req:
+                req.task = None
+                self.forget(rid)
 
     async def _produce(self, req: _Request, ctx: Context, kwargs: dict[str, Any]) -> None:
         if self._batcher is not None:

@@ -32,7 +32,7 @@ from pipeline._errors import (
 )
 from pipeline._keys import ChunkKey
 from pipeline._latency import LatencyRecorder
-from pipeline._messages import NO_DESCRIPTOR, Chunks, ChunksOut, Credit
+from pipeline._messages import NO_DESCRIPTOR, Chunks, ChunksOut, Credit, encode_message
 from pipeline._reorder import ReorderBuffer
 from pipeline._signature import EdgePlan
 from pipeline._sockets import SendData
@@ -44,7 +44,6 @@ from transports.inline import InlineReceiver, InlineSender
 
 __all__ = ("Inflow", "InputChannel", "Item", "OutputChannel", "SendTarget", "file_run")
 
-_encode_msg = msgspec.msgpack.Encoder().encode
 
 _nothing_decoder = msgspec.msgpack.Decoder(list[None])
 _raw_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
@@ -167,7 +166,7 @@ class _Run:
         """The run's envelope, encoded; nothing can join the run after this."""
         self.sealed = True
         owner = self.owner
-        return _encode_msg(
+        return encode_message(
             ChunksOut(
                 self.request_id,
                 owner.plan.name,
@@ -585,7 +584,7 @@ class InputChannel:
     def _credit(self, inflow: Inflow, sender: str) -> None:
         """Tell ``sender`` that every chunk taken so far may be replaced by new ones."""
         credit = Credit(inflow.buffer.request_id, self.plan.name, inflow.taken)
-        self._send(sender, _encode_msg(credit))
+        self._send(sender, encode_message(credit))
         inflow.granted = inflow.taken
 
     async def fetch(self, item: Item) -> Any:

@@ -143,20 +143,28 @@ class LocalLink:
 
 
 class _Inbound:
-    """One accepted connection: reads frames and hands each to the listener's callback."""
+    """One accepted connection: reads frames and hands each to the listener's callback.
 
-    __slots__ = ("_buf", "_frame", "_got", "_listener", "sock")
+    Reads go into one buffer kept for the connection's life, and frames are parsed from it
+    in place: a read allocates nothing, and only a frame cut by the end of a read is copied
+    aside (into ``_rest``) to wait for its tail.
+    """
+
+    __slots__ = ("_frame", "_got", "_listener", "_rbuf", "_rest", "sock")
 
     def __init__(self, sock: socket.socket, listener: LocalListener) -> None:
         self.sock = sock
         self._listener = listener
-        self._buf = bytearray()
+        self._rbuf = bytearray(_READ_SIZE)
+        #: The start of a frame that the last read cut short.
+        self._rest = bytearray()
         #: A large frame being read straight into its own buffer, and how much of it is in.
         self._frame: bytearray | None = None
         self._got = 0
 
     def on_readable(self) -> None:
         listener = self._listener
+        rbuf = self._rbuf
         # A bounded amount per wake-up keeps one busy sender from starving the loop.
         for _ in range(64):
             if self._frame is not None:
@@ -164,19 +172,25 @@ class _Inbound:
                     return
                 continue
             try:
-                data = self.sock.recv(_READ_SIZE)
+                n = self.sock.recv_into(rbuf)
             except BlockingIOError:
                 return
             except OSError:
                 listener.drop(self)
                 return
-            if not data:
+            if not n:
                 listener.drop(self)
                 return
-            self._buf += data
-            if not self._parse():
+            if self._rest:
+                self._rest += memoryview(rbuf)[:n]
+                if not self._parse(self._rest, len(self._rest)):
+                    return
+            elif not self._parse(rbuf, n):
                 return
-        # More may be queued: the loop's readiness is level-triggered, so it calls again.
+            if n < len(rbuf):
+                # The socket is drained (a short read): readiness is level-triggered, so the
+                # loop calls again when more comes, and no read is wasted on EAGAIN.
+                return
 
     def _read_direct(self) -> bool:
         """Read into the pending large frame; True when progress can continue."""
@@ -199,35 +213,40 @@ class _Inbound:
             self._listener.deliver(frame, self)
         return True
 
-    def _parse(self) -> bool:
-        """Deliver every complete frame in the stream buffer; False if the link was dropped."""
-        buf = self._buf
+    def _parse(self, buf: bytearray, size: int) -> bool:
+        """Deliver every complete frame in ``buf[:size]`` and keep what is left of it.
+
+        A cut frame's start goes to ``_rest``, or, for a large frame, to its own buffer.
+        False if the link was dropped.
+        """
         off = 0
-        size = len(buf)
         listener = self._listener
-        while size - off >= _LENGTH.size:
-            (n,) = _LENGTH.unpack_from(buf, off)
-            if n > listener.max_message:
-                listener.garbage(f"a frame of {n} bytes is over the limit")
-                listener.drop(self)
-                return False
-            start = off + _LENGTH.size
-            if size - start < n:
-                if n >= _DIRECT:
-                    # Read the rest of a large frame into its own buffer: no second copy.
-                    frame = bytearray(n)
-                    have = size - start
-                    frame[:have] = buf[start:]
-                    self._frame, self._got = frame, have
-                    off = size
-                break
-            with memoryview(buf) as view:
+        with memoryview(buf) as view:
+            while size - off >= _LENGTH.size:
+                (n,) = _LENGTH.unpack_from(buf, off)
+                if n > listener.max_message:
+                    listener.garbage(f"a frame of {n} bytes is over the limit")
+                    listener.drop(self)
+                    return False
+                start = off + _LENGTH.size
+                if size - start < n:
+                    if n >= _DIRECT:
+                        # Read the rest of a large frame into its own buffer: no second copy.
+                        frame = bytearray(n)
+                        have = size - start
+                        frame[:have] = view[start:size]
+                        self._frame, self._got = frame, have
+                        off = size
+                    break
                 frame_bytes = bytes(view[start : start + n])
-            off = start + n
-            if not listener.deliver(frame_bytes, self):
-                return False
-        if off:
-            del buf[:off]
+                off = start + n
+                if not listener.deliver(frame_bytes, self):
+                    return False
+            rest = bytes(view[off:size])
+        if buf is self._rest:
+            del buf[:]
+        # What is left is less than a frame, so at most one copy of a frame's start.
+        self._rest += rest
         return True
 
     def close(self) -> None:

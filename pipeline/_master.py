@@ -42,6 +42,9 @@ from pipeline._messages import (
     StatsReply,
     StatsRequest,
 )
+from pipeline._messages import (
+    encode_message as _encode,
+)
 from pipeline._orchestrator import Orchestrator, ReplicaView
 from pipeline._pulse import pulse_identity
 from pipeline._signature import EdgePlan, PipelinePlan
@@ -53,7 +56,6 @@ __all__ = ("Master",)
 
 log = structlog.get_logger("stagewire.master")
 _decode = msgspec.msgpack.Decoder(ControlToMaster).decode
-_encode = msgspec.msgpack.Encoder().encode
 
 
 @dataclass(slots=True)
@@ -156,13 +158,11 @@ class Master:
             token=self.token,
         )
         self._control_reader = SocketReader(self.router, self._on_control, self._on_error)
+        on_data = self.outbox.flushing_after(self.orch.on_data)
         if local_links_enabled():
             self.local = LocalListener(self._on_error, max_message=MAX_DATA_MESSAGE)
-            self.local.start(self.orch.on_data)
-        self._readers = [
-            self._control_reader,
-            SocketReader(self.inbox, self.orch.on_data, self._on_error),
-        ]
+            self.local.start(on_data)
+        self._readers = [self._control_reader, SocketReader(self.inbox, on_data, self._on_error)]
         for reader in self._readers:
             reader.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat()))

@@ -37,6 +37,7 @@ __all__ = (
     "StatsRequest",
     "decode_batch",
     "encode_batch",
+    "encode_message",
 )
 
 
@@ -96,6 +97,10 @@ class Credit(_Msg, frozen=True, tag="k"):
     request_id: str
     edge: str
     upto: int
+
+
+#: Encodes one message of this module (any of them) to msgpack.
+encode_message = msgspec.msgpack.Encoder().encode
 
 
 def encode_batch(envelopes: list[bytes]) -> bytes:

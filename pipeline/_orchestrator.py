@@ -1,9 +1,10 @@
 """The orchestrator: owns every request from submission to completion, failure or abort.
 
 It assigns request ids, picks one replica per stage (least loaded, then round robin) and
-keeps that choice for the life of the request, admits the request at every replica on
-its route, sends the input to the sources, and reads the sinks' chunks back in key order.
-It sees admission, completion, failure and abort, never each chunk between stages.
+keeps that choice for the life of the request, admits the request at the source replicas
+(which relay the ``Admit`` downstream ahead of the request's first chunks), sends the
+input to the sources, and reads the sinks' chunks back in key order. It sees admission,
+completion, failure and abort, never each chunk between stages.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from pipeline._messages import Abort, Admit, Chunks, Credit, DataMessage, Drop, 
 from pipeline._signature import PipelinePlan
 from pipeline._sockets import MAX_FRAMES, SendData
 
-__all__ = ("ClientRequest", "Orchestrator", "ReplicaView")
+__all__ = ("DROP_DELAY_S", "ClientRequest", "Orchestrator", "ReplicaView")
+
+#: How long the ``Drop`` of a completed request waits, to leave with the others due. A
+#: stage forgets a request itself once its handler has ended; a Drop matters only to a
+#: producer still held by a consumer that returned before its stream ended, so it need not
+#: wake every stage after every request.
+DROP_DELAY_S = 0.1
 
 
 def _consume_outcome(task: asyncio.Task[Any]) -> None:
@@ -112,6 +119,9 @@ class Orchestrator:
         self.counts = dict.fromkeys(("submitted", "completed", "failed", "aborted", "garbage"), 0)
         #: The most requests ever admitted at once (bounded by max_inflight).
         self.peak_active = 0
+        #: Completed requests to drop, by replica, until the drop timer fires.
+        self._drops: dict[tuple[str, int], list[str]] = {}
+        self._drop_timer: asyncio.TimerHandle | None = None
 
     # ---- planning ------------------------------------------------------------------------
 
@@ -160,7 +170,8 @@ class Orchestrator:
         admit = Admit(rid, route, self._token)
         for stage, r in chosen.items():
             r.requests.add(rid)
-            self._send_control(stage, r.replica, admit)
+            if stage in self._to_sources:
+                self._send_control(stage, r.replica, admit)
         if self._timeout is not None:
             req.timer = asyncio.get_running_loop().call_later(
                 self._timeout, self.fail, rid, RequestTimeout(rid, self._timeout)
@@ -253,13 +264,28 @@ class Orchestrator:
         return req
 
     def complete(self, rid: str) -> None:
-        """Every sink finished: tell every stage on the route to forget the request."""
+        """Every sink finished: every stage on the route forgets the request.
+
+        The stages' Drops leave together within :data:`DROP_DELAY_S`.
+        """
         req = self._finish(rid, None)
         if req is not None:
             self.counts["completed"] += 1
-            drop = Drop(rid, self._token)
             for stage, k in req.route.items():
-                self._send_control(stage, k, drop)
+                self._drops.setdefault((stage, k), []).append(rid)
+            if self._drop_timer is None:
+                loop = asyncio.get_running_loop()
+                self._drop_timer = loop.call_later(DROP_DELAY_S, self.send_drops)
+
+    def send_drops(self) -> None:
+        """Send the Drops due now (the outbox batches them into one frame per replica)."""
+        if self._drop_timer is not None:
+            self._drop_timer.cancel()
+            self._drop_timer = None
+        drops, self._drops = self._drops, {}
+        for (stage, k), rids in drops.items():
+            for rid in rids:
+                self._send_control(stage, k, Drop(rid, self._token))
 
     def fail(self, rid: str, exc: PipelineError, *, outcome: str = "failed") -> None:
         """Fail a request at the client and abort it in every stage.
@@ -349,6 +375,7 @@ class Orchestrator:
         """Abort every request and close every channel; idempotent."""
         for rid in list(self.requests):
             self.abort(rid, "pipeline closing")
+        self.send_drops()
         for out in self._to_sources.values():
             await out.aclose()
         for inp in self._from_sinks.values():

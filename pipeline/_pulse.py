@@ -13,14 +13,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import zmq
 
 from pipeline._messages import Heartbeat
+from pipeline._messages import encode_message as _encode
 
 __all__ = ("Pulse", "pulse_identity")
-
-_encode = msgspec.msgpack.Encoder().encode
 
 
 def pulse_identity(control_identity: bytes) -> bytes:

@@ -49,6 +49,9 @@ from pipeline._messages import (
     StatsReply,
     StatsRequest,
 )
+from pipeline._messages import (
+    encode_message as _encode,
+)
 from pipeline._pulse import Pulse
 from pipeline._signature import build_plan
 from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
@@ -64,7 +67,6 @@ MAX_DATA_MESSAGE = 1 << 30
 
 log = structlog.get_logger("stagewire.worker")
 _decode_control = msgspec.msgpack.Decoder(ControlToWorker).decode
-_encode = msgspec.msgpack.Encoder().encode
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -235,10 +237,11 @@ class _Worker:
         self._route(assignment.client)
         actor.set_peers(peers, assignment.client)
         self.actor = actor
-        self.data_reader = SocketReader(self.inbox, actor.on_data, self._on_error)
+        on_data = self.outbox.flushing_after(actor.on_data)
+        self.data_reader = SocketReader(self.inbox, on_data, self._on_error)
         self.data_reader.start()
         if self.local is not None:
-            self.local.start(actor.on_data)
+            self.local.start(on_data)
         self.send_control(Ready(self.stage, self.replica))
         log.info("stage_started", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
         defaults = spec.defaults
