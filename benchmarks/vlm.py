@@ -495,6 +495,7 @@ async def staged_throughput(
     """8 client tasks, each submitting back to back from a shared count until the deadline."""
     next_index = 0
     latencies: list[float] = []
+    shared: list[float] = []
     deadline = time.monotonic() + cfg.trial_budget_s
 
     async def client() -> None:
@@ -509,6 +510,7 @@ async def staged_throughput(
             if not isinstance(final, DecodeChunk) or not final.done:
                 raise RuntimeError(f"input {idx}: the pipeline returned {final!r}")
             checker.check("staged", idx, final.generated_ids)
+            shared.append(final.timings.get("mean_batch", 1.0))
 
     meter = CpuMeter(pipe)
     t0 = time.perf_counter()
@@ -529,6 +531,7 @@ async def staged_throughput(
         "req_per_s": done / elapsed,
         "latency_p50_ms": median(latencies),
         "cpu_ms_per_request": cpu,
+        "mean_batch": sum(shared) / len(shared),
     }
 
 
@@ -574,10 +577,14 @@ class MachineMeter:
         }
 
 
-def _replicated_spec(decode_replicas: int) -> PipelineSpec:
-    """configs/tiny-vlm.yaml with ``decode_replicas`` replicas of the decode stage."""
+def _spec(decode_replicas: int = 1, max_batch: int | None = None) -> PipelineSpec:
+    """configs/tiny-vlm.yaml with ``decode_replicas`` replicas of the decode stage, and its
+    ``max_batch`` when given (1: every request steps alone)."""
     data: dict[str, Any] = PipelineSpec.from_yaml(CONFIG).to_dict()
-    data["stages"]["decode"]["replicas"] = decode_replicas
+    decode = data["stages"]["decode"]
+    decode["replicas"] = decode_replicas
+    if max_batch is not None:
+        decode["params"]["max_batch"] = max_batch
     return PipelineSpec.from_dict(data)
 
 
@@ -606,7 +613,7 @@ async def _staged_trials(
     return trials
 
 
-async def run(cfg: Config, decode_replicas: int) -> dict[str, Any]:
+async def run(cfg: Config, decode_replicas: int, max_batch: int | None) -> dict[str, Any]:
     """Start the monolithic children and the pipeline, then interleave their trials."""
     requests = sample_requests(N_INPUTS)
     timeout = cfg.step_timeout_s
@@ -624,7 +631,7 @@ async def run(cfg: Config, decode_replicas: int) -> dict[str, Any]:
 
         _log("staged pipeline: start-up")
         t0 = time.perf_counter()
-        async with Pipeline.from_yaml(CONFIG) as pipe:
+        async with Pipeline(_spec(max_batch=max_batch)) as pipe:
             out["staged_startup_s"] = time.perf_counter() - t0
             out["workers"] = {stage: pid for (stage, _k), pid in pipe.worker_pids.items()}
             # The second monolithic child (for the two-process diagnostic only) starts
@@ -667,7 +674,7 @@ async def run(cfg: Config, decode_replicas: int) -> dict[str, Any]:
         if decode_replicas > 1:
             _log(f"diagnostic: staged with {decode_replicas} decode replicas: start-up")
             t0 = time.perf_counter()
-            async with Pipeline(_replicated_spec(decode_replicas)) as pipe:
+            async with Pipeline(_spec(decode_replicas, max_batch)) as pipe:
                 rep: dict[str, Any] = {
                     "decode_replicas": decode_replicas,
                     "startup_s": time.perf_counter() - t0,
@@ -726,6 +733,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "cpu_ms_per_request_conc1": _summarise_cpu(
                 [t["cpu_ms_per_request"] for t in tr["staged_latency"]]
             ),
+            "mean_batch_conc8": median([t["mean_batch"] for t in tr["staged_throughput"]]),
             "cpu_ms_per_request_conc8": _summarise_cpu(
                 [t["cpu_ms_per_request"] for t in tr["staged_throughput"]]
             ),
@@ -919,6 +927,9 @@ def render(raw: dict[str, Any], s: dict[str, Any]) -> str:
         f"- CPU ms per request, staged conc {CONCURRENCY}: "
         + _fmt_cpu(staged["cpu_ms_per_request_conc8"])
         + f"; mono {mono['cpu_ms_per_request_tput']:.1f}",
+        f"- decode steps at conc {CONCURRENCY}: each request's steps were shared by "
+        f"{staged['mean_batch_conc8']:.2f} requests on average (decode max_batch: "
+        f"{cfg['max_batch'] if cfg['max_batch'] is not None else 'as configured'})",
     ]
     return "\n".join(lines)
 
@@ -952,6 +963,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="also measure throughput with N decode replicas (a diagnostic; adds ~25 s)",
     )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the decode stage's max_batch instead of the config's (1: no batched steps)",
+    )
     p.add_argument("--mono-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mono_child:
@@ -964,11 +982,16 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)  # workers resolve "stages.*" from the working directory
     t_start = time.perf_counter()
     try:
-        raw = asyncio.run(run(cfg, args.decode_replicas))
+        raw = asyncio.run(run(cfg, args.decode_replicas, args.max_batch))
     except OutputMismatch as e:
         print(f"OUTPUT MISMATCH: {e}", file=sys.stderr, flush=True)
         return 1
-    raw["config"] = {**asdict(cfg), "quick": args.quick, "concurrency": CONCURRENCY}
+    raw["config"] = {
+        **asdict(cfg),
+        "quick": args.quick,
+        "concurrency": CONCURRENCY,
+        "max_batch": args.max_batch,
+    }
     raw["machine"] = {
         "cpus": os.cpu_count(),
         "python": platform.python_version(),

@@ -5,6 +5,10 @@ The cache is consumed layer by layer as it arrives and checked for order and com
 The first token goes out alone, so the time to first token never waits for a full chunk;
 then tokens go out ``chunk_tokens`` at a time. The last chunk (``done=True``) carries the
 full text, every generated id, why generation stopped, and wall-clock timings.
+
+Requests that decode at the same time share their steps (see :mod:`stages.step_batcher`):
+up to ``max_batch`` requests' next tokens come from one batched step, bit-for-bit the
+tokens each would get alone.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pipeline import Context, Stream
 from stages.decoder_stage import DecoderStage
 from stages.model import TINY_VLM, GreedyDecoding, LayerKV
 from stages.payloads import DecodeChunk, KVChunk
+from stages.step_batcher import StepBatcher
 from stages.tokenizer import TextStream
 
 __all__ = ("Decode",)
@@ -32,12 +37,27 @@ class Decode(DecoderStage):
         Attributes:
             max_new_tokens: the most tokens generated per request.
             chunk_tokens: tokens per streamed chunk after the first token.
+            max_batch: the most requests whose decode steps run as one (1: never batch).
         """
 
         model_config = ConfigDict(extra="forbid")
 
         max_new_tokens: int = Field(32, ge=1, le=TINY_VLM.max_context)
         chunk_tokens: int = Field(4, ge=1, le=TINY_VLM.max_context)
+        max_batch: int = Field(8, ge=1, le=256)
+
+    batcher: StepBatcher
+
+    async def setup(self) -> None:
+        """Load the decoder's weights and start batching steps.
+
+        Raises:
+            WeightsError: the weights file is malformed or fails verification.
+        """
+        await super().setup()
+        params = self.params
+        assert isinstance(params, Decode.Params)
+        self.batcher = StepBatcher(self.decoder, params.max_batch)
 
     async def _receive(self, kv: Stream[KVChunk]) -> tuple[list[LayerKV], int]:
         """The whole cache and the first token, checked for order and completeness."""
@@ -72,17 +92,26 @@ class Decode(DecoderStage):
         generated: list[int] = []
         pending: list[int] = []
         t_first = t_kv
-        for token in decoding:
-            generated.append(token)
-            pending.append(token)
-            if len(generated) == 1 or len(pending) >= params.chunk_tokens:
-                parts.append(delta := text.push(pending))
-                if len(generated) == 1:
-                    t_first = time.perf_counter()
-                yield DecodeChunk(token_ids=pending, text_delta=delta)
-                pending = []
-            # Let other requests' steps and sends interleave, and notice an abort.
-            await ctx.checkpoint()
+        steps = shared = 0
+        batcher = self.batcher
+        with batcher.decoding():
+            while decoding.has_token():
+                token = decoding.token
+                generated.append(token)
+                pending.append(token)
+                if len(generated) == 1 or len(pending) >= params.chunk_tokens:
+                    parts.append(delta := text.push(pending))
+                    if len(generated) == 1:
+                        t_first = time.perf_counter()
+                    yield DecodeChunk(token_ids=pending, text_delta=delta)
+                    pending = []
+                if not decoding.wants_step():
+                    break
+                # The step yields to the loop: other requests' steps and sends interleave,
+                # and an abort is noticed.
+                decoding.token, batch = await batcher.step(token, cache)
+                steps += 1
+                shared += batch
         if pending:
             parts.append(delta := text.push(pending))
             yield DecodeChunk(token_ids=pending, text_delta=delta)
@@ -101,5 +130,7 @@ class Decode(DecoderStage):
                 "first_token_ms": (t_first - t0) * 1e3,
                 "decode_ms": decode_s * 1e3,
                 "tokens_per_s": len(generated) / decode_s if decode_s > 0 else 0.0,
+                # How many requests shared this request's steps, on average (1: alone).
+                "mean_batch": shared / steps if steps else 1.0,
             },
         )

@@ -89,10 +89,27 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Apply rotary positions to ``x`` of shape ``(heads, positions, head_dim)``."""
+    """Apply rotary positions to ``x`` of shape ``(..., positions, head_dim)``.
+
+    Elementwise only, so rotating a batch of rows at once gives each row what rotating it
+    alone gives.
+    """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def _rows(linear: nn.Linear, x: Tensor) -> Tensor:
+    """``linear`` applied to each row of ``x`` ``(batch, in)`` on its own.
+
+    One batched matmul over the weight broadcast to every row computes each row as a
+    single-row product: bit-for-bit what ``linear(x[r : r + 1])`` computes, as the tests
+    check. One matmul over all the rows would block the sums differently, and so round
+    differently.
+    """
+    weight = linear.weight.t().expand(x.shape[0], -1, -1)
+    out: Tensor = torch.bmm(x.unsqueeze(1), weight).squeeze(1) + linear.bias
+    return out
 
 
 class Block(nn.Module):
@@ -150,6 +167,37 @@ class Block(nn.Module):
             n = x.shape[0]
             mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
         return self._finish(x, _attend(q, k, v, mask)), (k, v)
+
+    def step_many(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], pasts: list[LayerKV]
+    ) -> tuple[Tensor, list[LayerKV]]:
+        """One new position for each of several requests: row ``r`` of ``x`` extends ``pasts[r]``.
+
+        Each row comes out bit-for-bit as :meth:`forward` computes it alone: projections
+        and the MLP go row by row through :func:`_rows`, norms and activations work per
+        row, and attention runs per request over its own cache.
+
+        Args:
+            x: ``(batch, d)``, one new position per request.
+            rope: cos and sin of each request's position, ``(batch, 1, head_dim / 2)``.
+            pasts: each request's cache of this layer.
+        """
+        b, d = x.shape
+        qkv = _rows(self.qkv, self.norm1(x))
+        q, k, v = qkv[:, :d], qkv[:, d : 2 * d], qkv[:, 2 * d :]
+        shape = (b, self.n_heads, -1)
+        q, k = _rotate(q.reshape(shape), *rope), _rotate(k.reshape(shape), *rope)
+        v = v.reshape(shape)
+        attended, caches = [], []
+        for r, (past_k, past_v) in enumerate(pasts):
+            kr = torch.cat((past_k, k[r].unsqueeze(1)), dim=1)
+            vr = torch.cat((past_v, v[r].unsqueeze(1)), dim=1)
+            attended.append(_attend(q[r].unsqueeze(1), kr, vr, None).transpose(0, 1).reshape(1, d))
+            caches.append((kr, vr))
+        x = x + _rows(self.out, torch.cat(attended))
+        gelu = torch.nn.functional.gelu
+        out: Tensor = x + _rows(self.fc2, gelu(_rows(self.fc1, self.norm2(x))))
+        return out, caches
 
 
 class VisionEncoder(nn.Module):
@@ -262,41 +310,82 @@ class Decoder(nn.Module):
             x, cache[i] = layer(x, rope, cache[i])
         return self._next_token(x[-1])
 
+    @torch.inference_mode()
+    def step_many(self, tokens: list[int], caches: list[list[LayerKV]]) -> list[int]:
+        """:meth:`step` for several requests at once, each ``caches[r]`` extended in place.
+
+        Every request's next token and cache are bit-for-bit those :meth:`step` gives it
+        alone, whatever else is in the batch. It costs about what two or three single
+        steps cost: at this model's size a step is mostly per-operation overhead, which
+        the batch shares.
+
+        Raises:
+            ValueError: a cache already fills the context.
+        """
+        positions = [cache[0][0].shape[1] for cache in caches]
+        if max(positions) >= self.config.max_context:
+            raise ValueError(f"a cache already fills the context of {self.config.max_context}")
+        device = caches[0][0][0].device
+        x = self.embed(torch.tensor(tokens, device=device))
+        at = torch.tensor(positions, device=device)
+        rope = self.cos[at][:, None, :], self.sin[at][:, None, :]
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, Block)
+            x, layer_caches = layer.step_many(x, rope, [cache[i] for cache in caches])
+            for cache, kv in zip(caches, layer_caches, strict=True):
+                cache[i] = kv
+        logits = _rows(self.head, self.norm(x))
+        return [int(t) for t in logits.argmax(dim=-1)]
+
 
 class GreedyDecoding:
     """Greedy decoding from a prefilled cache; iterate for the generated tokens.
 
     Shared by :func:`generate` and the decode stage so that both stop by the same rules:
-    at EOS (not emitted), after ``max_new_tokens``, or when the context is full.
+    at EOS (not emitted), after ``max_new_tokens``, or when the context is full. The decode
+    stage drives it a step at a time (:meth:`has_token`, :meth:`wants_step`, then a step
+    of its own into ``token``); iterating does the same with :meth:`Decoder.step`.
 
     Attributes:
-        stop_reason: ``"eos"``, ``"max_new_tokens"`` or ``"context"`` once iteration ends.
+        token: the latest token, emitted unless it is EOS.
+        cache: the cache, which each step extends in place.
+        stop_reason: ``"eos"``, ``"max_new_tokens"`` or ``"context"`` once decoding ends.
     """
 
     def __init__(
         self, decoder: Decoder, first_token: int, cache: list[LayerKV], max_new_tokens: int
     ) -> None:
         self._decoder = decoder
-        self._token = first_token
-        self._cache = cache
+        self.token = first_token
+        self.cache = cache
         self._max = max_new_tokens
+        self._produced = 0
         self.stop_reason = ""
 
+    def has_token(self) -> bool:
+        """Whether ``token`` is one to emit; False (and stopped) when it is EOS."""
+        if self.token == EOS:
+            self.stop_reason = "eos"
+            return False
+        return True
+
+    def wants_step(self) -> bool:
+        """With ``token`` emitted: whether another step is due; False (and stopped) if not."""
+        self._produced += 1
+        if self._produced >= self._max:
+            self.stop_reason = "max_new_tokens"
+            return False
+        if self.cache[0][0].shape[1] >= self._decoder.config.max_context:
+            self.stop_reason = "context"
+            return False
+        return True
+
     def __iter__(self) -> Iterator[int]:
-        produced = 0
-        while True:
-            if self._token == EOS:
-                self.stop_reason = "eos"
+        while self.has_token():
+            yield self.token
+            if not self.wants_step():
                 return
-            yield self._token
-            produced += 1
-            if produced >= self._max:
-                self.stop_reason = "max_new_tokens"
-                return
-            if self._cache[0][0].shape[1] >= self._decoder.config.max_context:
-                self.stop_reason = "context"
-                return
-            self._token = self._decoder.step(self._token, self._cache)
+            self.token = self._decoder.step(self.token, self.cache)
 
 
 class TinyVLM(nn.Module):

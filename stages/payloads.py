@@ -95,7 +95,8 @@ class DecodeChunk(msgspec.Struct, kw_only=True):
         text: the whole generated text.
         generated_ids: every generated token, in order (EOS excluded).
         stop_reason: ``"eos"``, ``"max_new_tokens"`` or ``"context"``.
-        timings: milliseconds (and tokens per second) measured by the decode stage.
+        timings: milliseconds (and tokens per second) measured by the decode stage, and
+            ``mean_batch``: how many requests shared its decode steps on average.
     """
 
     token_ids: list[int]

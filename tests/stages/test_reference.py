@@ -127,12 +127,18 @@ async def test_the_inputs_exercise_both_stopping_rules(expected: list[list[int]]
 
 
 async def test_staged_tokens_equal_the_reference(vlm: Pipeline, expected: list[list[int]]) -> None:
-    """30 concurrent requests stream exactly the reference's tokens, each in its own order."""
+    """30 concurrent requests stream exactly the reference's tokens, each in its own order.
+
+    They decode at once, so the decode stage batches their steps: the check covers batched
+    steps of every size the traffic makes, and the test fails if none were batched.
+    """
     streams = await asyncio.gather(*(_collect(vlm, r) for r in INPUTS))
     for i, (chunks, want) in enumerate(zip(streams, expected, strict=True)):
         streamed = [t for c in chunks for t in c.token_ids]
         assert streamed == want, f"input {i}"
         assert chunks[-1].done and chunks[-1].generated_ids == want, f"input {i}"
+    shared = [chunks[-1].timings["mean_batch"] for chunks in streams]
+    assert max(shared) > 1, shared
 
 
 async def test_sequential_requests_also_equal_the_reference(
@@ -159,9 +165,11 @@ async def test_the_stream_is_small_chunks_then_a_summary(
     assert final.text == "".join(c.text_delta for c in chunks)
     assert final.text == bytes(t for t in expected[index] if t < 256).decode("utf-8", "replace")
     assert final.stop_reason == "max_new_tokens"
-    assert set(final.timings) == {"kv_receive_ms", "first_token_ms", "decode_ms", "tokens_per_s"}
+    timings = {"kv_receive_ms", "first_token_ms", "decode_ms", "tokens_per_s", "mean_batch"}
+    assert set(final.timings) == timings
     assert all(v >= 0 for v in final.timings.values())
     assert final.timings["tokens_per_s"] > 0
+    assert final.timings["mean_batch"] == 1.0  # decoded alone
 
 
 async def test_an_early_eos_ends_the_stream_with_stop_reason_eos(

@@ -1,0 +1,99 @@
+"""Decode steps of concurrent requests, run together: continuous batching for the decode stage.
+
+Every request decoding in a replica asks :meth:`StepBatcher.step` for its next token. A
+request decoding alone steps in place with :meth:`~stages.model.Decoder.step`, exactly as
+:func:`stages.model.generate` does. When several decode at once, a step waits for the rest
+of the loop turn, so that every request woken by the previous batch joins, and then up to
+``max_batch`` of them run as one :meth:`~stages.model.Decoder.step_many`. That costs about
+what two or three single steps cost (at this model's size a step is mostly per-operation
+overhead, which the batch shares), and each request's tokens are bit-for-bit those of
+single steps, so batching never changes an output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+from stages.model import Decoder, LayerKV
+
+__all__ = ("StepBatcher",)
+
+_Waiting = tuple[int, list[LayerKV], "asyncio.Future[tuple[int, int]]"]
+
+
+class StepBatcher:
+    """Batches the decode steps of the requests that decode at once in one replica.
+
+    Attributes:
+        batches: batched steps run so far (steps of two requests or more).
+        batched_steps: requests' steps those batches held, in all.
+    """
+
+    def __init__(self, decoder: Decoder, max_batch: int) -> None:
+        self._decoder = decoder
+        self._max_batch = max_batch
+        self._decoding = 0
+        self._waiting: list[_Waiting] = []
+        self._scheduled = False
+        self.batches = 0
+        self.batched_steps = 0
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Count a request as decoding while the block runs: steps batch only then."""
+        self._decoding += 1
+        try:
+            yield
+        finally:
+            self._decoding -= 1
+
+    async def step(self, token: int, cache: list[LayerKV]) -> tuple[int, int]:
+        """Feed ``token``, extending ``cache`` in place.
+
+        Returns:
+            The next greedy token, and how many requests' steps the step that made it
+            held (1 when alone).
+
+        Raises:
+            ValueError: the cache already fills the context.
+            asyncio.CancelledError: the request was cancelled meanwhile.
+        """
+        loop = asyncio.get_running_loop()
+        if self._decoding <= 1 or self._max_batch <= 1:
+            # Alone: step in place, then let the loop run (arrivals, aborts, sends).
+            next_token = self._decoder.step(token, cache)
+            await asyncio.sleep(0)
+            return next_token, 1
+        future: asyncio.Future[tuple[int, int]] = loop.create_future()
+        self._waiting.append((token, cache, future))
+        if not self._scheduled:
+            self._scheduled = True
+            # Behind every task already woken: those about to ask join this batch.
+            loop.call_soon(self._run)
+        return await future
+
+    def _run(self) -> None:
+        """Run one batch of the waiting steps; the next batch waits for a loop turn."""
+        waiting = [w for w in self._waiting if not w[2].done()]  # not cancelled meanwhile
+        group, rest = waiting[: self._max_batch], waiting[self._max_batch :]
+        self._waiting = rest
+        self._scheduled = bool(rest)
+        if rest:
+            asyncio.get_running_loop().call_soon(self._run)
+        if not group:
+            return
+        try:
+            if len(group) == 1:
+                tokens = [self._decoder.step(group[0][0], group[0][1])]
+            else:
+                tokens = self._decoder.step_many([w[0] for w in group], [w[1] for w in group])
+                self.batches += 1
+                self.batched_steps += len(group)
+        except Exception as exc:  # each request of the batch fails with it
+            for _, _, future in group:
+                future.set_exception(exc)
+            return
+        for (_, _, future), next_token in zip(group, tokens, strict=True):
+            future.set_result((next_token, len(group)))

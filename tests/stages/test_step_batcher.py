@@ -1,0 +1,141 @@
+"""Batched decode steps: bit-for-bit the tokens and caches of single steps, whatever the batch."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from stages.model import TINY_VLM, GreedyDecoding, LayerKV, TinyVLM
+from stages.step_batcher import StepBatcher
+from tests.stages.conftest import single_thread
+
+SEED = 4321
+
+
+def _cache(gen: torch.Generator, length: int) -> list[LayerKV]:
+    """A random cache of ``length`` positions for every decoder layer."""
+    shape = (TINY_VLM.n_heads, length, TINY_VLM.head_dim)
+    return [
+        (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+        for _ in range(TINY_VLM.decoder_layers)
+    ]
+
+
+def _copy(cache: list[LayerKV]) -> list[LayerKV]:
+    return [(k.clone(), v.clone()) for k, v in cache]
+
+
+def test_step_many_equals_single_steps_bit_for_bit(model: TinyVLM) -> None:
+    """Every request of every batch gets exactly the token and cache that step() gives it."""
+    print(f"seed {SEED}")
+    rng = random.Random(SEED)
+    gen = torch.Generator().manual_seed(SEED)
+    decoder = model.decoder
+    with single_thread():
+        for _ in range(60):
+            n = rng.randint(2, 12)
+            tokens = [rng.randrange(TINY_VLM.vocab_size) for _ in range(n)]
+            lengths = [rng.randint(1, TINY_VLM.max_context - 1) for _ in range(n)]
+            caches = [_cache(gen, length) for length in lengths]
+            alone = [_copy(c) for c in caches]
+            expected = [decoder.step(t, c) for t, c in zip(tokens, alone, strict=True)]
+            assert decoder.step_many(tokens, caches) == expected, (tokens, lengths)
+            for got, want in zip(caches, alone, strict=True):
+                for (gk, gv), (wk, wv) in zip(got, want, strict=True):
+                    assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+def test_step_many_refuses_a_full_cache(model: TinyVLM) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    caches = [_cache(gen, 3), _cache(gen, TINY_VLM.max_context)]
+    with single_thread(), pytest.raises(ValueError, match="fills the context"):
+        model.decoder.step_many([1, 2], caches)
+
+
+async def _decode(
+    batcher: StepBatcher,
+    decoding: GreedyDecoding,
+    sizes: list[int],
+    stepped: asyncio.Event | None = None,
+) -> list[int]:
+    """Drive ``decoding`` through ``batcher`` as the decode stage does; its tokens.
+
+    Each step's batch size goes to ``sizes``; ``stepped`` is set after every step.
+    """
+    out: list[int] = []
+    with batcher.decoding():
+        while decoding.has_token():
+            out.append(decoding.token)
+            if not decoding.wants_step():
+                break
+            decoding.token, size = await batcher.step(decoding.token, decoding.cache)
+            sizes.append(size)
+            if stepped is not None:
+                stepped.set()
+    return out
+
+
+async def test_concurrent_requests_share_steps_and_keep_their_tokens(model: TinyVLM) -> None:
+    """12 requests decoding at once, 4 per batch at most: each gets generate()'s tokens."""
+    gen = torch.Generator().manual_seed(SEED)
+    rng = random.Random(SEED)
+    decoder = model.decoder
+    with single_thread():
+        starts = [
+            (rng.randrange(256), _cache(gen, rng.randint(5, 60)), rng.randint(1, 40))
+            for _ in range(12)
+        ]
+        expected = [
+            list(GreedyDecoding(decoder, first, _copy(cache), n)) for first, cache, n in starts
+        ]
+        batcher = StepBatcher(decoder, max_batch=4)
+        sizes: list[int] = []
+        got = await asyncio.gather(
+            *(
+                _decode(batcher, GreedyDecoding(decoder, first, _copy(cache), n), sizes)
+                for first, cache, n in starts
+            )
+        )
+    assert got == expected
+    assert batcher.batches > 0 and max(sizes) == 4, sizes
+    assert batcher.batched_steps <= 4 * batcher.batches
+
+
+async def test_a_request_alone_steps_in_place(model: TinyVLM) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    decoder = model.decoder
+    with single_thread():
+        cache = _cache(gen, 20)
+        expected = list(GreedyDecoding(decoder, 7, _copy(cache), 10))
+        batcher = StepBatcher(decoder, max_batch=8)
+        sizes: list[int] = []
+        assert await _decode(batcher, GreedyDecoding(decoder, 7, cache, 10), sizes) == expected
+    assert batcher.batches == 0 and set(sizes) <= {1}
+
+
+async def test_a_cancelled_request_leaves_the_others_decoding(model: TinyVLM) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    decoder = model.decoder
+    with single_thread():
+        caches = [_cache(gen, 10 + i) for i in range(3)]
+        expected = [list(GreedyDecoding(decoder, 9, _copy(c), 30)) for c in caches]
+        batcher = StepBatcher(decoder, max_batch=8)
+        sizes: list[int] = []
+        stepped = asyncio.Event()
+        tasks = [
+            asyncio.ensure_future(
+                _decode(batcher, GreedyDecoding(decoder, 9, c, 30), sizes, stepped)
+            )
+            for c in caches
+        ]
+        while len(sizes) < 6:  # a few shared steps first
+            stepped.clear()
+            await stepped.wait()
+        assert batcher.batches > 0
+        tasks[1].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(done[1], asyncio.CancelledError)
+    assert [done[0], done[2]] == [expected[0], expected[2]]
