@@ -64,25 +64,26 @@ class _Pacer:
     Chunks are batched per event-loop turn, and a turn lasts as long as a handler runs
     without awaiting anything that suspends. A handler that computes between its yields
     (a prefill layer, a decode step) would then send all its chunks at its end. So after
-    each chunk: if producing it took longer than :data:`EAGER_SEND_S` and no batch left
-    meanwhile, the batch leaves now. Streams of quick chunks still batch.
+    each chunk: if producing it took longer than :data:`EAGER_SEND_S`, what is queued
+    leaves now, since the next chunk will likely take as long. Streams of quick chunks
+    still batch.
+
+    Whether a batch left while the chunk was made does not matter: a chunk queued after
+    an await (a transport's put, say) would otherwise wait for the whole next computation.
     """
 
-    __slots__ = ("_flushes", "_last", "_outbox")
+    __slots__ = ("_last", "_outbox")
 
     def __init__(self, outbox: Outbox) -> None:
         self._outbox = outbox
         self._last = time.perf_counter()
-        self._flushes = outbox.flushes
 
     def sent(self) -> None:
         """Note that a chunk was queued, and send it at once if the handler is slow."""
-        outbox = self._outbox
         now = time.perf_counter()
-        if now - self._last > EAGER_SEND_S and outbox.flushes == self._flushes:
-            outbox.flush()
+        if now - self._last > EAGER_SEND_S:
+            self._outbox.flush()  # nothing queued: nothing happens
         self._last = now
-        self._flushes = outbox.flushes
 
 
 class _Request:

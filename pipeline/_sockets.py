@@ -155,7 +155,6 @@ class Outbox:
         "_loop",
         "_pending",
         "_socks",
-        "flushes",
     )
 
     def __init__(self, ctx: zmq.Context[Any]) -> None:
@@ -168,8 +167,6 @@ class Outbox:
         #: Same-host link addresses by endpoint, and the links opened to them.
         self._local: dict[str, str] = {}
         self._links: dict[str, LocalLink] = {}
-        #: How many batches left: a change means that what was queued has gone.
-        self.flushes = 0
 
     def set_local(self, endpoint: str, address: str) -> None:
         """Send to ``endpoint`` over a same-host link to ``address`` from now on."""
@@ -258,7 +255,6 @@ class Outbox:
             self._handle = None
         if not self._pending:
             return
-        self.flushes += 1
         pending, self._pending = self._pending, {}
         for endpoint, queued in pending.items():
             envelopes = [e if isinstance(e, bytes) else e.seal() for e in queued]

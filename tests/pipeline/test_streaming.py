@@ -45,14 +45,17 @@ async def test_stream_yields_the_sink_output(demo: Pipeline) -> None:
     assert chunks == [Text("ONE TWO THREE")]
 
 
-async def test_a_computing_stage_streams_its_chunks_as_it_makes_them() -> None:
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+async def test_a_computing_stage_streams_its_chunks_as_it_makes_them(transport: str) -> None:
     """A handler that computes between yields without awaiting still streams: each chunk
-    leaves when it is made, not with the last one when the handler finally yields the loop."""
+    leaves when it is made, not with the last one when the handler finally yields the loop.
+    Over shm, a chunk's send awaits the transport's put before the chunk is queued.
+    """
     import time
 
     from tests.pipeline.sample_stages import CRUNCH_S
 
-    s = spec({"crunch": ":Crunch", "relay": ":Relay"}, [("crunch", "relay")])
+    s = spec({"crunch": ":Crunch", "relay": ":Relay"}, [("crunch", "relay")], transport=transport)
     async with Pipeline(s) as pipe:
         arrivals = []
         async for chunk in pipe.stream(Text("a b c")):
