@@ -3,10 +3,12 @@
 Run from the repository root::
 
     .venv/bin/python benchmarks/vlm.py [--quick] [--json OUT] [--decode-replicas N]
+        [--max-batch N]
 
 The markdown report goes to stdout, progress (and the workers' logs) to stderr. A full run
-takes about 95 s on a 2-core machine, ``--quick`` about 30 s; ``--decode-replicas 2`` adds
-about 25 s (``--quick``: 20 s).
+takes about 45 s on a 2-core machine, ``--quick`` about 25 s; ``--decode-replicas 2`` adds
+about 25 s (``--quick``: 20 s). ``--max-batch 1`` runs the decode stage without batched
+steps, to see what batching alone brings.
 
 Both sides process the same inputs: the shipped sample requests (``sample_requests(12)``,
 PNG bytes and a prompt each), cycled in the same order from index 0 in every trial. Trials
