@@ -279,6 +279,9 @@ class Outbox:
 
     def close(self) -> None:
         """Close every socket; idempotent."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
         self._pending.clear()
         self._local.clear()
         for link in self._links.values():
