@@ -272,3 +272,33 @@ async def test_leaving_a_stream_early_aborts_it_everywhere(
     await wait_for(lambda: settled(vlm))
     final = await vlm.submit(INPUTS[index])
     assert final.generated_ids == expected[index]
+
+
+async def test_streams_left_while_their_steps_are_batched_leave_the_rest_exact(
+    vlm: Pipeline, expected: list[list[int]]
+) -> None:
+    """30 requests decode at once and every third is left after its first chunks: the
+    others still get exactly the reference's tokens, and every stage ends up holding
+    nothing."""
+
+    async def leave_early(request: VLMRequest) -> list[int]:
+        got: list[int] = []
+        async with vlm.stream(request) as stream:
+            async for chunk in stream:
+                got += chunk.token_ids
+                if len(got) >= 2:
+                    break
+        return got
+
+    runs = [leave_early(r) if i % 3 == 0 else _collect(vlm, r) for i, r in enumerate(INPUTS)]
+    outcomes = await asyncio.gather(*runs)
+    for i, (out, want) in enumerate(zip(outcomes, expected, strict=True)):
+        if i % 3 == 0:
+            assert out == want[: len(out)], f"input {i}"
+        else:
+            assert isinstance(out, list)
+            assert [t for c in out for t in c.token_ids] == want, f"input {i}"
+            assert out[-1].generated_ids == want, f"input {i}"
+    shared = [out[-1].timings["mean_batch"] for i, out in enumerate(outcomes) if i % 3]
+    assert max(shared) > 1, shared
+    await wait_for(lambda: settled(vlm))
