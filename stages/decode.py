@@ -107,8 +107,8 @@ class Decode(DecoderStage):
                     pending = []
                 if not decoding.wants_step():
                     break
-                # The step yields to the loop: other requests' steps and sends interleave,
-                # and an abort is noticed.
+                # The step yields to the loop (every step while others decode, every few
+                # ms alone): other requests' steps interleave and an abort is noticed.
                 decoding.token, batch = await batcher.step(token, cache)
                 steps += 1
                 shared += batch

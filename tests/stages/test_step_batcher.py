@@ -139,3 +139,63 @@ async def test_a_cancelled_request_leaves_the_others_decoding(model: TinyVLM) ->
         done = await asyncio.gather(*tasks, return_exceptions=True)
     assert isinstance(done[1], asyncio.CancelledError)
     assert [done[0], done[2]] == [expected[0], expected[2]]
+
+
+async def _ticking(turns: list[int]) -> None:
+    """Count loop turns: one per pass of the event loop that runs ready tasks."""
+    while True:
+        turns[0] += 1
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize(("budget", "most_turns", "least_turns"), [(3600.0, 2, 0), (0.0, 99, 9)])
+async def test_a_request_alone_yields_to_the_loop_once_per_budget(
+    model: TinyVLM, budget: float, most_turns: int, least_turns: int
+) -> None:
+    """Alone, a request lets the loop run once per ``yield_alone_s``; 0 means every step."""
+    gen = torch.Generator().manual_seed(SEED)
+    decoder = model.decoder
+    turns = [0]
+    with single_thread():
+        cache = _cache(gen, 20)
+        expected = list(GreedyDecoding(decoder, 7, _copy(cache), 11))
+        batcher = StepBatcher(decoder, max_batch=8, yield_alone_s=budget)
+        ticker = asyncio.ensure_future(_ticking(turns))
+        await asyncio.sleep(0)  # the ticker is running
+        before = turns[0]
+        sizes: list[int] = []
+        got = await _decode(batcher, GreedyDecoding(decoder, 7, cache, 11), sizes)
+        during = turns[0] - before
+        ticker.cancel()
+    assert got == expected and len(sizes) == 10
+    assert least_turns <= during <= most_turns, during
+
+
+async def test_requests_that_cannot_batch_take_turns_step_by_step(model: TinyVLM) -> None:
+    """With batching off, two requests decoding at once alternate, whatever the budget."""
+    gen = torch.Generator().manual_seed(SEED)
+    decoder = model.decoder
+    order: list[int] = []
+
+    async def run(who: int, cache: list[LayerKV]) -> list[int]:
+        decoding = GreedyDecoding(decoder, 5, cache, 12)
+        out: list[int] = []
+        with batcher.decoding():
+            await asyncio.sleep(0)  # both are decoding before either steps
+            while decoding.has_token():
+                out.append(decoding.token)
+                if not decoding.wants_step():
+                    break
+                decoding.token, size = await batcher.step(decoding.token, decoding.cache)
+                assert size == 1
+                order.append(who)
+        return out
+
+    with single_thread():
+        caches = [_cache(gen, 8), _cache(gen, 9)]
+        expected = [list(GreedyDecoding(decoder, 5, _copy(c), 12)) for c in caches]
+        batcher = StepBatcher(decoder, max_batch=1, yield_alone_s=3600.0)
+        got = await asyncio.gather(run(0, caches[0]), run(1, caches[1]))
+    assert got == expected
+    both = 2 * min(order.count(0), order.count(1))
+    assert both >= 10 and order[:both] == [0, 1] * (both // 2), order
