@@ -312,8 +312,9 @@ class StageActor:
                 channel.discard(item)
             return
         req = self._request(rid)
-        buf = req.inflows[run.edge].buffer
-        self.counts["duplicates"] += file_run(buf, run, items)
+        inflow = req.inflows[run.edge]
+        buf = inflow.buffer
+        self.counts["duplicates"] += file_run(inflow, run, items)
         if buf.buffered > self.peak_buffered:
             self.peak_buffered = buf.buffered
         self._maybe_start(req)

@@ -4,10 +4,12 @@
 puts the payload through the edge's transport and sends the envelope. :class:`InputChannel`
 (consumer side) fetches and decodes payloads from descriptors and returns credit.
 
-Flow control is a window of chunks per (request, edge): a producer may run at most
-``window`` chunks ahead of what the consumer's handler has taken. Windows are per request,
-so a request whose consumer has not started yet never starves another request's stream,
-and memory held for an edge is bounded by ``window`` chunks per admitted request.
+Flow control is a window per (request, edge): a producer may run at most ``window`` chunks
+and ``window_bytes`` payload bytes ahead of what the consumer's handler has taken (a chunk
+larger than ``window_bytes`` still goes, alone). Windows are per request, so a request
+whose consumer has not started yet never starves another request's stream, and memory
+held for an edge is bounded by a window per admitted request. The consumer returns credit
+every half window of chunks, and at once when the producer says its byte window is full.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,9 +97,13 @@ def _one_by_one(recv: TransportReceiver) -> Callable[[msgspec.Raw], Sequence[Des
     return decode
 
 
-def file_run(buffer: ReorderBuffer[Item], run: Chunks, items: list[Item]) -> int:
-    """Offer a run's items to ``buffer`` under their seqs; how many it refused."""
+def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
+    """Offer a run's items to the inflow's buffer under their seqs; how many it refused."""
+    buffer = inflow.buffer
     seq = run.first
+    if run.credit:
+        # The producer waits for credit once this run's last chunk is taken.
+        inflow.credit_due = min(inflow.credit_due, seq + len(items))
     last = seq + len(items) - 1
     final = run.final
     refused = 0
@@ -110,12 +117,13 @@ def file_run(buffer: ReorderBuffer[Item], run: Chunks, items: list[Item]) -> int
 class Inflow:
     """One request's position on one input edge: its reorder buffer and credit marks."""
 
-    __slots__ = ("buffer", "granted", "held", "taken")
+    __slots__ = ("buffer", "credit_due", "held", "taken")
 
-    def __init__(self, buffer: ReorderBuffer[Item]) -> None:
+    def __init__(self, buffer: ReorderBuffer[Item], credit_step: int) -> None:
         self.buffer = buffer
         self.taken = 0
-        self.granted = 0
+        #: Credit goes back once this many chunks are taken.
+        self.credit_due = credit_step
         #: The next chunk, taken from the buffer by ``poll`` but left for ``next`` to fetch.
         self.held: tuple[Item, bool] | None = None
 
@@ -142,6 +150,7 @@ class _Run:
     """
 
     __slots__ = (
+        "credit",
         "descriptors",
         "final",
         "first",
@@ -160,6 +169,7 @@ class _Run:
         self.descriptors: list[Descriptor | None] = []
         self.final = False
         self.sealed = False
+        self.credit = False
         self.sent_ns = time.monotonic_ns()
 
     def seal(self) -> bytes:
@@ -177,16 +187,22 @@ class _Run:
                 owner.endpoint,
                 owner.host,
                 self.sent_ns,
+                self.credit,
             )
         )
 
 
 class _Window:
-    __slots__ = ("allowed", "next_seq", "run", "waiter")
+    __slots__ = ("acked", "allowed", "in_flight", "next_seq", "run", "sizes", "waiter")
 
     def __init__(self, window: int) -> None:
         self.next_seq = 0
         self.allowed = window
+        #: Chunks below this were taken by the consumer (its latest credit).
+        self.acked = 0
+        #: Payload bytes of chunks ``acked .. next_seq - 1``, each, and in all.
+        self.sizes: deque[int] = deque()
+        self.in_flight = 0
         self.waiter: asyncio.Future[None] | None = None
         #: The run the next chunk may join, until the outbox seals it.
         self.run: _Run | None = None
@@ -215,6 +231,7 @@ class OutputChannel:
         self.codec = codec_for(plan.payload_type)
         self._send = send
         self._windows: dict[str, _Window] = {}
+        self._window_bytes = plan.window_bytes
         ctx = EdgeContext(
             plan.name,
             host,
@@ -275,9 +292,9 @@ class OutputChannel:
             return False
         if encoded is None:
             win.next_seq = seq + 1
-            self._queue(win, request_id, seq, "", None, True, target.endpoint)
+            self._queue(win, request_id, seq, "", None, True, target.endpoint, 0)
             return True
-        if encoded.device_buffers:
+        if encoded.device_buffers or win.in_flight >= self._window_bytes:
             return False
         inline = self._inline
         if inline is None:
@@ -290,9 +307,10 @@ class OutputChannel:
                 return False
         descriptor = inline.wrap(encoded)
         win.next_seq = seq + 1
-        self.bytes += encoded.nbytes
+        nbytes = encoded.nbytes
+        self.bytes += nbytes
         self._used[name] += 1
-        self._queue(win, request_id, seq, name, descriptor, final, target.endpoint)
+        self._queue(win, request_id, seq, name, descriptor, final, target.endpoint, nbytes)
         return True
 
     async def send(
@@ -307,7 +325,9 @@ class OutputChannel:
             TransportError: the transport could not store the payload.
         """
         win = self._window(request_id)
-        while win.next_seq >= win.allowed:
+        # A chunk without payload holds no bytes: only the chunk window applies to it.
+        cap = self._window_bytes if encoded is not None else 1 << 62
+        while win.next_seq >= win.allowed or win.in_flight >= cap:
             win.waiter = asyncio.get_running_loop().create_future()
             try:
                 await win.waiter
@@ -316,7 +336,7 @@ class OutputChannel:
         seq = win.next_seq
         win.next_seq += 1
         if encoded is None:
-            self._queue(win, request_id, seq, "", None, True, target.endpoint)
+            self._queue(win, request_id, seq, "", None, True, target.endpoint, 0)
             return
         name, sender = self._choose(encoded, target)
         if encoded.device_buffers and name not in self._on_device:
@@ -340,7 +360,7 @@ class OutputChannel:
                 key, encoded, timeout=self.plan.chunk_timeout
             )
         self._count(name, encoded)
-        self._queue(win, request_id, seq, name, descriptor, final, target.endpoint)
+        self._queue(win, request_id, seq, name, descriptor, final, target.endpoint, encoded.nbytes)
 
     def _count(self, name: str, encoded: Encoded) -> None:
         self.bytes += encoded.nbytes
@@ -355,9 +375,12 @@ class OutputChannel:
         descriptor: Descriptor | None,
         final: bool,
         endpoint: str,
+        nbytes: int,
     ) -> None:
         """Add chunk ``seq`` to the request's open run, or start a run and queue it."""
         self.chunks += 1
+        win.sizes.append(nbytes)
+        win.in_flight += nbytes
         run = win.run
         if (
             run is None
@@ -371,6 +394,9 @@ class OutputChannel:
             self._send(endpoint, run)
         run.descriptors.append(descriptor)
         run.final = final
+        if win.in_flight >= self._window_bytes and not final:
+            # The next chunk will wait for credit: ask for it as soon as this one is taken.
+            run.credit = True
 
     def _choose(self, encoded: Encoded, target: SendTarget) -> tuple[str, TransportSender]:
         if self._fixed is not None:
@@ -384,13 +410,18 @@ class OutputChannel:
     def on_credit(self, credit: Credit) -> None:
         """Apply credit from the consumer: chunks below ``upto`` were taken."""
         win = self._windows.get(credit.request_id)
-        if win is None:
+        if win is None or credit.upto <= win.acked:
             return
-        allowed = credit.upto + self.plan.window
-        if allowed > win.allowed:
-            win.allowed = allowed
-            if win.waiter is not None and not win.waiter.done():
-                win.waiter.set_result(None)
+        upto = min(credit.upto, win.next_seq)
+        sizes = win.sizes
+        freed = 0
+        for _ in range(upto - win.acked):
+            freed += sizes.popleft()
+        win.acked = upto
+        win.in_flight -= freed
+        win.allowed = upto + self.plan.window
+        if win.waiter is not None and not win.waiter.done():
+            win.waiter.set_result(None)
 
     def forget(self, request_id: str, reason: str | None = None) -> None:
         """Drop a request's window, failing a sender that waits on it."""
@@ -516,7 +547,8 @@ class InputChannel:
         return Inflow(
             ReorderBuffer(
                 request_id, self.plan.name, chunk_timeout=timeout, on_discard=self.discard
-            )
+            ),
+            self._credit_step,
         )
 
     def poll(self, inflow: Inflow) -> Any:
@@ -537,7 +569,7 @@ class InputChannel:
             return NOT_READY
         value = inline.read(descriptor, self._codec)  # type: ignore[arg-type]
         inflow.taken += 1
-        if not final and inflow.taken - inflow.granted >= self._credit_step:
+        if not final and inflow.taken >= inflow.credit_due:
             self._credit(inflow, sender)
         return value
 
@@ -562,7 +594,7 @@ class InputChannel:
         if item[1] is not None and (item[0] != "inline" or self._inline is None):
             value = await self.fetch(item)
             inflow.taken += 1
-            if not final and inflow.taken - inflow.granted >= self._credit_step:
+            if not final and inflow.taken >= inflow.credit_due:
                 self._credit(inflow, item[2])
             return value
         return self._deliver(inflow, item, final)
@@ -577,7 +609,7 @@ class InputChannel:
         assert self._inline is not None
         value = self._inline.read(descriptor, self._codec)  # type: ignore[arg-type]
         inflow.taken += 1
-        if not final and inflow.taken - inflow.granted >= self._credit_step:
+        if not final and inflow.taken >= inflow.credit_due:
             self._credit(inflow, item[2])
         return value
 
@@ -585,7 +617,7 @@ class InputChannel:
         """Tell ``sender`` that every chunk taken so far may be replaced by new ones."""
         credit = Credit(inflow.buffer.request_id, self.plan.name, inflow.taken)
         self._send(sender, encode_message(credit))
-        inflow.granted = inflow.taken
+        inflow.credit_due = inflow.taken + self._credit_step
 
     async def fetch(self, item: Item) -> Any:
         """Materialise and decode an item's payload, then release the transport's hold.

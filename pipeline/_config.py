@@ -111,6 +111,9 @@ class DefaultsSpec(_Spec):
     """The deadline of a whole request; ``None`` means no deadline."""
     window: Count = 64
     """Chunks in flight per request per edge before the producer waits."""
+    window_bytes: ByteSize = 64 * 1024 * 1024
+    """Payload bytes in flight per request per edge before the producer waits; a chunk
+    larger than this still goes, alone. Whichever of the two limits comes first holds."""
     max_inflight: Count = 1024
     """Requests the orchestrator admits at once."""
     heartbeat_interval: Timeout = 1.0
@@ -190,6 +193,8 @@ class EdgeSpec(_Spec):
     """This edge's chunk timeout, instead of the default."""
     window: Count | None = None
     """This edge's window, instead of the default."""
+    window_bytes: ByteSize | None = None
+    """This edge's byte window, instead of the default."""
 
     @property
     def name(self) -> str:
@@ -355,6 +360,10 @@ class PipelineSpec(_Spec):
     def edge_window(self, e: EdgeSpec) -> int:
         """Return the window of ``e`` in chunks: its own, or the default."""
         return e.window if e.window is not None else self.defaults.window
+
+    def edge_window_bytes(self, e: EdgeSpec) -> int:
+        """Return the byte window of ``e``: its own, or the default."""
+        return e.window_bytes if e.window_bytes is not None else self.defaults.window_bytes
 
     def _require(self, stage: str) -> None:
         if stage not in self.stages:

@@ -57,7 +57,8 @@ class Chunks(_Msg, frozen=True, tag="c"):
     the whole array at once. Only the run's last chunk can be final, as ``final`` says.
     A sender joins the chunks of one (request, edge) that leave in the same batch into one
     run, so the key's request and edge, the sender and the timestamp travel once per run;
-    every chunk still carries its own descriptor.
+    every chunk still carries its own descriptor. ``credit`` asks for credit as soon as
+    the run's last chunk is taken: the sender's byte window is full.
     """
 
     request_id: str
@@ -69,6 +70,7 @@ class Chunks(_Msg, frozen=True, tag="c"):
     sender: str
     host: str
     sent_ns: int
+    credit: bool = False
 
 
 class ChunksOut(_Msg, frozen=True, tag="c"):
@@ -85,6 +87,7 @@ class ChunksOut(_Msg, frozen=True, tag="c"):
     sender: str
     host: str
     sent_ns: int
+    credit: bool = False
 
 
 #: A chunk's descriptor when it carries no payload: msgpack nil.

@@ -359,7 +359,7 @@ class Orchestrator:
             for item in items:
                 ch.discard(item)
             return
-        file_run(req.inflows[ch.plan.src].buffer, msg, items)
+        file_run(req.inflows[ch.plan.src], msg, items)
 
     def statistics(self) -> dict[str, Any]:
         """The client side's counters and edges."""

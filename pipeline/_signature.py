@@ -77,6 +77,7 @@ class EdgePlan:
     chunk_timeout: float
     inline_threshold: int
     transports: EdgeTransports
+    window_bytes: int
 
 
 @dataclass(slots=True)
@@ -238,11 +239,13 @@ def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool)
     if CLIENT in (src, dst):
         transport = TransportSpec(kind="inline")
         window, chunk_timeout = spec.defaults.window, spec.defaults.chunk_timeout
+        window_bytes = spec.defaults.window_bytes
         threshold = spec.defaults.inline_threshold
     else:
         e = spec.edge(src, dst)
         transport = spec.edge_transport(e)
         window, chunk_timeout = spec.edge_window(e), spec.edge_chunk_timeout(e)
+        window_bytes = spec.edge_window_bytes(e)
         threshold = spec.edge_inline_threshold(e)
     transports = resolve_edge_transports(
         name,
@@ -254,7 +257,17 @@ def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool)
         inline_threshold=threshold,
     )
     return EdgePlan(
-        name, src, dst, tp, streaming, transport, window, chunk_timeout, threshold, transports
+        name,
+        src,
+        dst,
+        tp,
+        streaming,
+        transport,
+        window,
+        chunk_timeout,
+        threshold,
+        transports,
+        window_bytes,
     )
 
 

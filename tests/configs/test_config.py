@@ -143,6 +143,7 @@ def test_minimal_spec_gets_defaults() -> None:
     assert spec.defaults.chunk_timeout == 30.0
     assert spec.defaults.request_timeout is None
     assert (spec.defaults.window, spec.defaults.max_inflight) == (64, 1024)
+    assert spec.defaults.window_bytes == 64 * 1024 * 1024
     assert (spec.defaults.heartbeat_interval, spec.defaults.heartbeat_timeout) == (1.0, 5.0)
     stage = spec.stages["only"]
     assert (stage.replicas, stage.device, stage.max_concurrency) == (1, "cpu", 16)
@@ -154,7 +155,8 @@ def test_minimal_spec_gets_defaults() -> None:
 def test_edge_fields_fall_back_to_defaults() -> None:
     """An edge's own transport, threshold, timeout and window win; unset ones inherit."""
     spec = load("""
-        defaults: {transport: shm, inline_threshold: 1KiB, chunk_timeout: 2s, window: 4}
+        defaults: {transport: shm, inline_threshold: 1KiB, chunk_timeout: 2s, window: 4,
+                   window_bytes: 2MiB}
         stages: {a: {impl: "m:A"}, b: {impl: "m:B"}, c: {impl: "m:C"}}
         edges:
           - {from: a, to: b}
@@ -164,14 +166,15 @@ def test_edge_fields_fall_back_to_defaults() -> None:
             inline_threshold: 0
             chunk_timeout: 250ms
             window: 1
+            window_bytes: 64KiB
     """)
     ab, bc = spec.edge("a", "b"), spec.edge("b", "c")
     assert spec.edge_transport(ab) == TransportSpec(kind="shm")
     assert (spec.edge_inline_threshold(ab), spec.edge_chunk_timeout(ab)) == (1024, 2.0)
-    assert spec.edge_window(ab) == 4
+    assert (spec.edge_window(ab), spec.edge_window_bytes(ab)) == (4, 2 * 1024 * 1024)
     assert spec.edge_transport(bc) == TransportSpec(kind="my.pkg:Fast", options={"lanes": 2})
     assert (spec.edge_inline_threshold(bc), spec.edge_chunk_timeout(bc)) == (0, 0.25)
-    assert spec.edge_window(bc) == 1
+    assert (spec.edge_window(bc), spec.edge_window_bytes(bc)) == (1, 64 * 1024)
     assert bc.name == "b->c"
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from pipeline import Pipeline
 from stages.text import Text
 from tests.pipeline.conftest import spec
@@ -58,3 +60,35 @@ async def test_slow_sink_holds_fast_source_memory_flat() -> None:
     # it; with them each side holds a few windows of 256 KiB chunks plus allocator slack.
     assert growth["flood"] < 40, growth
     assert growth["drain"] < 40, growth
+
+
+@pytest.mark.parametrize(
+    ("window_bytes", "most_buffered"),
+    [
+        # Buffered items: the chunks the bytes allow, plus the stream's end (no payload).
+        pytest.param(1024 * 1024, 4 + 1, id="four-chunks-of-bytes"),
+        # Each chunk is larger than the byte window: it still goes, one at a time.
+        pytest.param(100 * 1024, 1 + 1, id="chunk-over-the-window"),
+    ],
+)
+async def test_byte_window_bounds_large_chunks_before_the_chunk_window(
+    window_bytes: int, most_buffered: int
+) -> None:
+    """With a wide chunk window, the byte window is what holds the slow sink's buffer."""
+    count = 120
+    s = spec(
+        {
+            "flood": {"impl": ":Flood", "params": {"count": count, "size": CHUNK}},
+            "drain": {"impl": ":Drain", "params": {"delay": 0.002}},
+        },
+        [("flood", "drain")],
+        window=256,
+        window_bytes=window_bytes,
+        transport="inline",
+    )
+    async with Pipeline(s) as pipe:
+        assert await pipe.submit(Text("go")) == Text(str(count))
+        stats = await pipe.statistics()
+    drain = next(r for r in stats["replicas"] if r["stage"] == "drain")
+    # 256 chunks of 256 KiB would be allowed by the chunk window alone.
+    assert 1 <= drain["peak_buffered"] <= most_buffered, drain["peak_buffered"]
