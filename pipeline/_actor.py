@@ -497,6 +497,15 @@ class StageActor:
 
     def statistics(self) -> dict[str, Any]:
         """Counters of the replica, its handler and its edges."""
+        try:
+            counters = {
+                str(k): v
+                for k, v in self.instance.statistics().items()
+                if isinstance(v, int | float)
+            }
+        except Exception as exc:  # the stage's own code: report it, keep the replica's
+            counters = {}
+            log.warning("stage_statistics_failed", stage=self.stage, error=repr(exc))
         return {
             "stage": self.stage,
             "replica": self.replica,
@@ -508,6 +517,7 @@ class StageActor:
             "process_p99_us": self.latency.percentile(99),
             "inputs": [ch.statistics() for _, ch in self._inputs_by_edge.values()],
             "outputs": [o.statistics() for o in self._outputs.values()],
+            "counters": counters,
         }
 
     async def aclose(self) -> None:

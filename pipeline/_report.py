@@ -38,9 +38,16 @@ def stage_rows(
                 "chunks_out": sum(o["chunks"] for o in r["outputs"]),
                 "p50_us": r["process_p50_us"],
                 "p99_us": r["process_p99_us"],
+                "counters": r.get("counters", {}),
             }
         )
     return rows
+
+
+def _counters(counters: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in counters.items()
+    )
 
 
 def edge_rows(
@@ -99,10 +106,14 @@ def render_tables(
 ) -> list[Table]:
     """Rich tables for the stages and the edges of a run, in the pipeline's order."""
     stages = Table(title="stages", title_justify="left")
-    for col in ("stage", "requests", "failed", "aborted", "chunks in", "chunks out", "p50", "p99"):
-        stages.add_column(col, justify="left" if col == "stage" else "right")
-    for row in stage_rows(stats["replicas"], stage_order):
-        stages.add_row(
+    rows = stage_rows(stats["replicas"], stage_order)
+    # The stages' own counters get a column only when some stage has any.
+    with_counters = any(row["counters"] for row in rows)
+    cols = ("stage", "requests", "failed", "aborted", "chunks in", "chunks out", "p50", "p99")
+    for col in (*cols, "counters") if with_counters else cols:
+        stages.add_column(col, justify="left" if col in ("stage", "counters") else "right")
+    for row in rows:
+        cells = [
             row["stage"],
             str(row["requests"]),
             str(row["failed"]),
@@ -111,7 +122,10 @@ def render_tables(
             str(row["chunks_out"]),
             _us(row["p50_us"]),
             _us(row["p99_us"]),
-        )
+        ]
+        if with_counters:
+            cells.append(_counters(row["counters"]))
+        stages.add_row(*cells)
     edges = Table(title="edges", title_justify="left")
     for col in ("edge", "chunks", "bytes", "transport", "used", "hop p50", "hop p99"):
         edges.add_column(col, justify="right" if col in ("chunks", "bytes") else "left")

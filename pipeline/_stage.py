@@ -14,7 +14,7 @@ subclass whose fields are named after those stages; a field left ``None`` sends 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
@@ -163,3 +163,12 @@ class Stage:
         Raises:
             Exception: anything raised here is logged; shutdown goes on.
         """
+
+    def statistics(self) -> Mapping[str, int | float]:
+        """The stage's own counters, shown in ``stagewire run``'s table and in
+        ``Pipeline.statistics()`` under ``counters``; none by default.
+
+        It is called from the event loop whenever statistics are asked for, so it must be
+        cheap and must not block.
+        """
+        return {}

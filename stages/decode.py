@@ -59,6 +59,11 @@ class Decode(DecoderStage):
         assert isinstance(params, Decode.Params)
         self.batcher = StepBatcher(self.decoder, params.max_batch)
 
+    def statistics(self) -> dict[str, int | float]:
+        """Decode steps run, and how many requests' steps each held on average."""
+        b = self.batcher
+        return {"steps": b.steps, "mean_batch": b.request_steps / b.steps if b.steps else 0.0}
+
     async def _receive(self, kv: Stream[KVChunk]) -> tuple[list[LayerKV], int]:
         """The whole cache and the first token, checked for order and completeness."""
         cache: list[LayerKV] = []

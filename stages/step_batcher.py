@@ -38,6 +38,8 @@ class StepBatcher:
             often (arrivals, aborts); 0 yields after every step.
 
     Attributes:
+        steps: model steps run so far, batched or single.
+        request_steps: requests' steps those held, in all (``steps`` when never batched).
         batches: batched steps run so far (steps of two requests or more).
         batched_steps: requests' steps those batches held, in all.
     """
@@ -52,6 +54,8 @@ class StepBatcher:
         self._waiting: list[_Waiting] = []
         self._scheduled = False
         self._yielded = 0.0
+        self.steps = 0
+        self.request_steps = 0
         self.batches = 0
         self.batched_steps = 0
 
@@ -78,6 +82,8 @@ class StepBatcher:
         loop = asyncio.get_running_loop()
         if self._decoding <= 1 or self._max_batch <= 1:
             next_token = self._decoder.step(token, cache)
+            self.steps += 1
+            self.request_steps += 1
             # Let the loop run (arrivals, aborts): after every step when others decode
             # too (they take turns), alone only every ``yield_alone_s``. A loop turn right
             # after a step costs 3-5% of the step on a small VM (cold caches, a syscall),
@@ -105,6 +111,8 @@ class StepBatcher:
             asyncio.get_running_loop().call_soon(self._run)
         if not group:
             return
+        self.steps += 1
+        self.request_steps += len(group)
         try:
             if len(group) == 1:
                 tokens = [self._decoder.step(group[0][0], group[0][1])]

@@ -214,3 +214,19 @@ class SlowSetupRelay(Relay):
 
     async def setup(self) -> None:
         await asyncio.sleep(SLOW_SETUP_S)
+
+
+class Counted(Stage):
+    """Echoes, and reports counters of its own (and a value that is not a number)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.echoed = 0
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        self.echoed += 1
+        return text
+
+    def statistics(self) -> dict[str, int | float]:
+        odd: dict[str, object] = {"label": "not a number"}
+        return {"echoed": self.echoed, "half": self.echoed / 2, **odd}  # type: ignore[dict-item]

@@ -139,6 +139,9 @@ async def test_staged_tokens_equal_the_reference(vlm: Pipeline, expected: list[l
         assert chunks[-1].done and chunks[-1].generated_ids == want, f"input {i}"
     shared = [chunks[-1].timings["mean_batch"] for chunks in streams]
     assert max(shared) > 1, shared
+    stats = await vlm.statistics()
+    decode = next(r for r in stats["replicas"] if r["stage"] == "decode")["counters"]
+    assert decode["steps"] > 0 and decode["mean_batch"] > 1, decode
 
 
 async def test_sequential_requests_also_equal_the_reference(

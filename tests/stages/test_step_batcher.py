@@ -102,6 +102,7 @@ async def test_concurrent_requests_share_steps_and_keep_their_tokens(model: Tiny
     assert got == expected
     assert batcher.batches > 0 and max(sizes) == 4, sizes
     assert batcher.batched_steps <= 4 * batcher.batches
+    assert batcher.request_steps == len(sizes) and batcher.steps < len(sizes)
 
 
 async def test_a_request_alone_steps_in_place(model: TinyVLM) -> None:

@@ -1,0 +1,46 @@
+"""A stage's own counters reach Pipeline.statistics() and the run table."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from pipeline import Pipeline
+from pipeline._report import render_tables
+from stages.text import Text
+from tests.pipeline.conftest import spec
+
+
+async def test_stage_counters_reach_statistics_and_the_table() -> None:
+    s = spec({"echo": ":Echo", "count": ":Counted"}, [("echo", "count")])
+    async with Pipeline(s) as pipe:
+        for i in range(5):
+            assert await pipe.submit(Text(f"x{i}")) == Text(f"x{i}")
+        stats = await pipe.statistics()
+    by_stage = {r["stage"]: r for r in stats["replicas"]}
+    # Only numbers are kept: the label is left out.
+    assert by_stage["count"]["counters"] == {"echoed": 5, "half": 2.5}
+    assert by_stage["echo"]["counters"] == {}
+    console = Console(width=200, record=True)
+    for table in render_tables(stats, stage_order=["echo", "count"]):
+        console.print(table)
+    text = console.export_text()
+    assert "counters" in text and "echoed 5, half 2.50" in text, text
+
+
+def test_the_table_has_no_counters_column_when_no_stage_counts() -> None:
+    replica = {
+        "stage": "a",
+        "replica": 0,
+        "completed": 1,
+        "failed": 0,
+        "aborted": 0,
+        "inputs": [],
+        "outputs": [],
+        "process_p50_us": 10.0,
+        "process_p99_us": 20.0,
+        "counters": {},
+    }
+    console = Console(width=200, record=True)
+    for table in render_tables({"replicas": [replica], "client": {"outputs": [], "inputs": []}}):
+        console.print(table)
+    assert "counters" not in console.export_text()
