@@ -68,6 +68,9 @@ class SendTarget:
 
     endpoint: str
     host: str
+    #: Its process id on its host (0: unknown): a transport holding a payload for it can
+    #: take the payload back if that process dies before reading it.
+    pid: int = 0
 
 
 #: A received chunk as filed in a reorder buffer: ``(transport, descriptor, sender)``, where
@@ -359,6 +362,10 @@ class OutputChannel:
             descriptor = await self._senders[name].put(
                 key, encoded, timeout=self.plan.chunk_timeout
             )
+        if target.pid and target.host == self.host:
+            note = getattr(self._senders[name], "note_reader", None)
+            if note is not None:
+                note(descriptor, target.pid)
         self._count(name, encoded)
         self._queue(win, request_id, seq, name, descriptor, final, target.endpoint, encoded.nbytes)
 

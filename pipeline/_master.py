@@ -50,6 +50,7 @@ from pipeline._pulse import pulse_identity
 from pipeline._signature import EdgePlan, PipelinePlan
 from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
 from pipeline._worker import MAX_CONTROL_MESSAGE, MAX_DATA_MESSAGE
+from transports._liveness import pid_namespace
 from transports._registry import AUTO, resolve_transport
 
 __all__ = ("Master",)
@@ -71,6 +72,7 @@ class _Replica:
     alive: bool = True
     inflight: int = 0
     local: str = ""
+    pidns: int = 0
 
 
 @dataclass(slots=True)
@@ -195,7 +197,9 @@ class Master:
         table: PeerTable = {stage: {} for stage in self.spec.stages}
         for rep in self.replicas.values():
             if rep.alive:
-                table[rep.stage][rep.replica] = Peer(rep.endpoint, rep.host, rep.local)
+                table[rep.stage][rep.replica] = Peer(
+                    rep.endpoint, rep.host, rep.local, rep.pid, rep.pidns
+                )
         return table
 
     # ---- receiving -----------------------------------------------------------------------
@@ -277,11 +281,14 @@ class Master:
             msg.data_endpoint,
             time.monotonic(),
             local=msg.local_endpoint,
+            pidns=msg.pidns,
         )
         if self.local is not None and msg.local_endpoint and msg.host == self.host:
             self.outbox.set_local(msg.data_endpoint, msg.local_endpoint)
+        # The pid is of use here only inside this process's pid namespace.
+        pid = msg.pid if msg.pidns and msg.pidns == pid_namespace() else 0
         self.orch.replicas[msg.stage][msg.replica] = ReplicaView(
-            msg.stage, msg.replica, msg.data_endpoint, msg.host
+            msg.stage, msg.replica, msg.data_endpoint, msg.host, pid
         )
         log.info("replica_registered", stage=msg.stage, replica=msg.replica, pid=msg.pid)
         self._send(identity, self._assignment(msg.stage, msg.replica))
@@ -313,7 +320,13 @@ class Master:
             self.spec.to_dict(),
             stage,
             replica,
-            Peer(self.data_endpoint, self.host, self.local.address if self.local else ""),
+            Peer(
+                self.data_endpoint,
+                self.host,
+                self.local.address if self.local else "",
+                os.getpid(),
+                pid_namespace(),
+            ),
             self._peer_table(),
             self.token,
         )

@@ -146,6 +146,9 @@ class Register(_Msg, frozen=True, tag="register"):
     devices: list[str] = []
     #: Where the worker accepts same-host links (empty: ZMQ only).
     local_endpoint: str = ""
+    #: Its pid namespace (``transports._liveness.pid_namespace``): ``pid`` means something
+    #: to another process only within the same one.
+    pidns: int = 0
 
 
 class Ready(_Msg, frozen=True, tag="ready"):
@@ -201,6 +204,10 @@ class Peer(msgspec.Struct, frozen=True, array_like=True):
     host: str
     #: Where it accepts same-host links (empty: ZMQ only); see ``pipeline._local_link``.
     local: str = ""
+    #: Its process id on its host (0: unknown).
+    pid: int = 0
+    #: The pid namespace ``pid`` belongs to (0: unknown).
+    pidns: int = 0
 
 
 PeerTable = dict[str, dict[int, Peer]]

@@ -49,13 +49,14 @@ def _consume_outcome(task: asyncio.Task[Any]) -> None:
 class ReplicaView:
     """What the orchestrator needs to know of one replica."""
 
-    __slots__ = ("endpoint", "host", "ready", "replica", "requests", "stage")
+    __slots__ = ("endpoint", "host", "pid", "ready", "replica", "requests", "stage")
 
-    def __init__(self, stage: str, replica: int, endpoint: str, host: str) -> None:
+    def __init__(self, stage: str, replica: int, endpoint: str, host: str, pid: int = 0) -> None:
         self.stage = stage
         self.replica = replica
         self.endpoint = endpoint
         self.host = host
+        self.pid = pid
         self.ready = False
         self.requests: set[str] = set()
 
@@ -179,7 +180,8 @@ class Orchestrator:
         try:
             for src, enc in encoded.items():
                 r = chosen[src]
-                await self._to_sources[src].send(rid, enc, True, SendTarget(r.endpoint, r.host))
+                target = SendTarget(r.endpoint, r.host, r.pid)
+                await self._to_sources[src].send(rid, enc, True, target)
         except BaseException as exc:
             # Admitted everywhere but never fed: abort it, or every stage holds it forever.
             reason = (

@@ -55,6 +55,7 @@ from pipeline._messages import (
 from pipeline._pulse import Pulse
 from pipeline._signature import build_plan
 from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
+from transports._liveness import pid_namespace
 
 __all__ = ("EXIT_MASTER_LOST", "EXIT_SETUP_FAILED", "main", "run_worker")
 
@@ -186,6 +187,7 @@ class _Worker:
             os.getpid(),
             self.endpoint,
             local_endpoint=self.local.address if self.local is not None else "",
+            pidns=pid_namespace(),
         )
         deadline = time.monotonic() + timeout
         while True:

@@ -64,6 +64,7 @@ class ShmSender(AsyncResource):
         "_generation",
         "_held",
         "_latency",
+        "_readers",
         "_segment",
         "_slot_count",
         "_wake",
@@ -84,6 +85,8 @@ class ShmSender(AsyncResource):
         self._free_slots = list(range(self._slot_count - 1, -1, -1))
         # slot -> (generation, offset, extent size) of every extent not yet reclaimed.
         self._held: dict[int, tuple[int, int, int]] = {}
+        # slot -> the process its payload was sent to, where the runtime said (note_reader).
+        self._readers: dict[int, int] = {}
         self._generation = 0
         self._latency = LatencyRecorder(1024)
         self.chunks = 0
@@ -151,6 +154,7 @@ class ShmSender(AsyncResource):
         # Last, so a reader that sees this generation also sees where its extent is.
         words[base + SLOT_GEN] = generation
         self._held[slot] = (generation, offset, need)
+        self._readers.pop(slot, None)
         self.chunks += 1
         self.bytes += encoded.nbytes
         self._latency.add((time.perf_counter_ns() - started) / 1000)
@@ -205,8 +209,19 @@ class ShmSender(AsyncResource):
         self._reclaim()
         return self._take(need)
 
+    def note_reader(self, descriptor: ShmDescriptor, pid: int) -> None:
+        """Say which process ``descriptor`` was sent to (process ``pid`` on this host).
+
+        If that process dies before it starts reading, the extent is taken back like one
+        whose reader died while reading; without this, only the latter can be.
+        """
+        held = self._held.get(descriptor.slot)
+        if held is not None and held[0] == descriptor.generation:
+            self._readers[descriptor.slot] = pid
+
     def _reclaim(self, *, dead_readers: bool = False) -> None:
-        """Take back extents their consumer released (or, if asked, whose reader died)."""
+        """Take back extents their consumer released, and if asked those whose reader died
+        (while reading, or before it began: see :meth:`note_reader`)."""
         segment = self._segment
         if segment is None or not self._held:
             return
@@ -220,13 +235,20 @@ class ShmSender(AsyncResource):
             elif dead_readers:
                 reader = words[base + SLOT_READER]
                 pid = reader & LOW32
-                if pid and reader >> 32 == generation & LOW32:
+                if not (pid and reader >> 32 == generation & LOW32):
+                    # Not being read: by whom it was sent to, if known. A reader that
+                    # starts after this check finds the slot free or reused, which its
+                    # generation check refuses, so only a dead process loses the payload.
+                    pid = self._readers.get(slot, 0)
+                if pid:
                     if pid not in alive:
                         alive[pid] = pid_alive(pid)
                     if not alive[pid]:
                         done.append(slot)
+        readers = self._readers
         for slot in done:
             _, offset, size = self._held.pop(slot)
+            readers.pop(slot, None)
             self._arena.free(offset, size)
             self._free_slots.append(slot)
 
@@ -265,16 +287,18 @@ class ShmSender(AsyncResource):
         )
 
     def occupancy(self) -> ShmOccupancy:
-        """What the arena holds now, after taking back every extent released so far."""
-        self._reclaim()
+        """What the arena holds now, after taking back every extent released so far or
+        whose reader died."""
+        self._reclaim(dead_readers=True)
         held = sum(size for _, _, size in self._held.values())
         return ShmOccupancy(len(self._held), held, self._capacity, self._arena.largest_free())
 
     def statistics(self) -> TransportStatistics:
         """Chunks and bytes put, errors, put latency (waiting included) in µs, and the
-        extents still held after taking back every one released so far."""
+        extents still held after taking back every one released so far or whose reader
+        died."""
         if not self._closed:
-            self._reclaim()
+            self._reclaim(dead_readers=True)
         return statistics(self.chunks, self.bytes, self.errors, self._latency, len(self._held))
 
     async def aclose(self) -> None:
@@ -297,6 +321,7 @@ class ShmSender(AsyncResource):
         if segment is not None:
             segment.destroy()
         self._held.clear()
+        self._readers.clear()
 
     def __del__(self) -> None:
         segment = getattr(self, "_segment", None)

@@ -279,3 +279,45 @@ async def test_peers_that_register_during_a_slow_setup_are_known() -> None:
     async with Pipeline(s) as pipe:
         outs = await asyncio.gather(*(pipe.submit(Text(f"a{i} b{i}")) for i in range(10)))
         assert [o.value for o in outs] == [f"a{i} b{i}" for i in range(10)]
+
+
+async def test_shm_payloads_of_a_killed_consumer_are_taken_back() -> None:
+    """A consumer killed with shm payloads sent to it but never read leaves the producer's
+    arena empty: the producer knows where each payload went and takes back what a dead
+    process can no longer read (and what it was reading when it died)."""
+    s = spec(
+        {
+            "flood": {"impl": ":Flood", "params": {"count": 4, "size": 128 * 1024}},
+            # One handler at a time, asleep after its first chunk: every other payload
+            # sent to it waits unread.
+            "drain": {"impl": ":Drain", "params": {"delay": 60}, "max_concurrency": 1},
+        },
+        [("flood", "drain")],
+        transport="shm",
+    )
+
+    async def shm() -> dict[str, int]:
+        stats = await pipe.statistics()
+        flood = next(r for r in stats["replicas"] if r["stage"] == "flood")
+        return flood["outputs"][0]["transports"]["shm"]  # type: ignore[no-any-return]
+
+    async def held() -> int:
+        return (await shm())["held"]
+
+    async with Pipeline(s) as pipe:
+        tasks = [asyncio.ensure_future(pipe.submit(Text(f"go {i}"))) for i in range(2)]
+
+        async def all_put() -> bool:
+            return (await shm())["chunks"] == 8  # 2 requests x 4 chunks
+
+        await wait_for(all_put)
+        # The first chunk was read (and, its bytes copied out, released); the rest wait.
+        assert await held() >= 6
+        os.kill(pipe.worker_pids[("drain", 0)], signal.SIGKILL)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, StageUnavailable) for r in results), results
+
+        async def taken_back() -> bool:
+            return await held() == 0
+
+        await wait_for(taken_back)
