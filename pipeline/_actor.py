@@ -192,6 +192,13 @@ class StageActor:
         if client is not None:
             self._client = client
 
+    def readers_gone(self, endpoints: set[str]) -> None:
+        """Replicas that received data at ``endpoints`` are gone: let every output's
+        transports take back what they hold for them."""
+        if endpoints:
+            for out in self._outputs.values():
+                out.readers_gone(endpoints)
+
     def _target(self, dst: str, req: _Request) -> SendTarget:
         """Where ``dst``'s chunks of ``req`` go; the first time, the Admit goes there too.
 

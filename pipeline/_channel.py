@@ -68,8 +68,8 @@ class SendTarget:
 
     endpoint: str
     host: str
-    #: Its process id on its host (0: unknown): a transport holding a payload for it can
-    #: take the payload back if that process dies before reading it.
+    #: Its process id on its host (0: unknown or not ours to check): a transport holding
+    #: a payload for it can take the payload back if that process dies before reading it.
     pid: int = 0
 
 
@@ -362,10 +362,9 @@ class OutputChannel:
             descriptor = await self._senders[name].put(
                 key, encoded, timeout=self.plan.chunk_timeout
             )
-        if target.pid and target.host == self.host:
-            note = getattr(self._senders[name], "note_reader", None)
-            if note is not None:
-                note(descriptor, target.pid)
+        note = getattr(self._senders[name], "note_reader", None)
+        if note is not None:
+            note(descriptor, target.endpoint, target.pid if target.host == self.host else 0)
         self._count(name, encoded)
         self._queue(win, request_id, seq, name, descriptor, final, target.endpoint, encoded.nbytes)
 
@@ -429,6 +428,14 @@ class OutputChannel:
         win.allowed = upto + self.plan.window
         if win.waiter is not None and not win.waiter.done():
             win.waiter.set_result(None)
+
+    def readers_gone(self, endpoints: set[str]) -> None:
+        """Consumers at ``endpoints`` are gone: the transports may take back what they hold
+        for them (an optional transport method; see ``note_reader`` in :meth:`send`)."""
+        for sender in self._senders.values():
+            gone = getattr(sender, "readers_gone", None)
+            if gone is not None:
+                gone(endpoints)
 
     def forget(self, request_id: str, reason: str | None = None) -> None:
         """Drop a request's window, failing a sender that waits on it."""

@@ -342,6 +342,12 @@ class Master:
         rep.ready = False
         self.outbox.forget(rep.endpoint)
         failed = self.orch.replica_lost(stage, replica, why)
+        self.orch.readers_gone({rep.endpoint})
+        # The others drop their links to it and what their transports hold for it.
+        peers = Peers(self._peer_table())
+        for other in self.replicas.values():
+            if other.alive:
+                self._send(other.identity, peers)
         log.warning("replica_dead", stage=stage, replica=replica, why=why, failed=failed)
         if not self.startup.ready.is_set() and self.startup.error is None:
             self.startup.error = f"stage {stage!r} replica {replica} {why} during start-up"

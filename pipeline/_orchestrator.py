@@ -363,6 +363,11 @@ class Orchestrator:
             return
         file_run(req.inflows[ch.plan.src], msg, items)
 
+    def readers_gone(self, endpoints: set[str]) -> None:
+        """Source replicas at ``endpoints`` are gone: take back what is held for them."""
+        for out in self._to_sources.values():
+            out.readers_gone(endpoints)
+
     def statistics(self) -> dict[str, Any]:
         """The client side's counters and edges."""
         return {

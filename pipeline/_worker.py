@@ -143,9 +143,10 @@ class _Worker:
                 # Kept even while the stage is still in setup: the actor is built from the
                 # latest table, not the one in the (older) Assignment.
                 self.peers = peers
-                self._forget_departed(peers)
+                departed = self._forget_departed(peers)
                 if actor is not None:
                     actor.set_peers(peers)
+                    actor.readers_gone(departed)
             case Assignment() if self.assignment is not None and not self.assignment.done():
                 self.assignment.set_result(msg)
             case StatsRequest(token=token) if actor is not None:
@@ -161,16 +162,21 @@ class _Worker:
             case _:
                 pass
 
-    def _forget_departed(self, peers: PeerTable) -> None:
-        # A socket to a dead replica's endpoint would hold its queued envelopes and retry
-        # the connection forever; the master's new table says who is gone.
+    def _forget_departed(self, peers: PeerTable) -> set[str]:
+        """Drop the links to replicas missing from the master's new table; their endpoints.
+
+        A socket to a dead replica's endpoint would hold its queued envelopes and retry
+        the connection forever.
+        """
         now = {p.endpoint for replicas in peers.values() for p in replicas.values()}
-        for endpoint in self.peer_endpoints - now:
+        departed = self.peer_endpoints - now
+        for endpoint in departed:
             self.outbox.forget(endpoint)
         self.peer_endpoints = now
         for replicas in peers.values():
             for p in replicas.values():
                 self._route(p)
+        return departed
 
     def _route(self, peer: Peer) -> None:
         """Send to a peer on this host over a same-host link, when both ends have one."""

@@ -132,6 +132,20 @@ class NetworkSender(AsyncResource):
             self._options.segment_size,
         )
 
+    def note_reader(self, descriptor: NetworkDescriptor, endpoint: str, pid: int) -> None:
+        """Say where ``descriptor`` was sent: the consumer's data endpoint (and its pid,
+        unused here), so that :meth:`readers_gone` can drop its payload."""
+        server = self._server
+        held = None if server is None else server.held.get(descriptor.token)
+        if held is not None:
+            held.reader = endpoint
+
+    def readers_gone(self, endpoints: set[str]) -> None:
+        """Drop the payloads sent to consumers that are gone (declared dead by the master):
+        none of them will be fetched, and a fetch under way will not complete."""
+        if self._server is not None:
+            self._server.drop_for(endpoints)
+
     # -- the rest of the protocol ---------------------------------------------------------
 
     def statistics(self) -> TransportStatistics:

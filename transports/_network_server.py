@@ -157,6 +157,13 @@ class Server:
         """Serve ``held`` to the first receiver that fetches its token."""
         self.held[held.token] = held
 
+    def drop_for(self, readers: set[str]) -> int:
+        """Drop every payload sent to one of ``readers``, fetched or not; how many."""
+        gone = [held for held in self.held.values() if held.reader in readers]
+        for held in gone:
+            self._drop(held)
+        return len(gone)
+
     def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
             raise ValueError(f"a control message of {len(frames)} frames")

@@ -86,6 +86,7 @@ class Held:
             block or whose block was handed to ZMQ (it is then owned by the in-flight record).
         express: it is one small frame, sent as soon as it is fetched.
         sending: a receiver fetched it; a second fetch is refused.
+        reader: where it was sent (the consumer's data endpoint), once the runtime said.
     """
 
     token: bytes
@@ -95,6 +96,7 @@ class Held:
     blocks: list[bytearray | None]
     express: bool
     sending: bool = False
+    reader: str = ""
 
 
 def piece_views(encoded: Encoded, *, copy: bool) -> list[tuple[memoryview, bool]]:

@@ -100,7 +100,18 @@ class TransportStatistics:
 
 @runtime_checkable
 class TransportSender(Protocol):
-    """The producer's end of an edge's transport."""
+    """The producer's end of an edge's transport.
+
+    Two methods are optional, for transports that hold a payload until its consumer
+    reads it, so that a consumer that dies first does not keep it held for good:
+
+    * ``note_reader(descriptor, endpoint, pid)``: called after each ``put`` with where the
+      descriptor is sent: the consumer's data endpoint, and its pid when it runs on this
+      host in this pid namespace (else 0).
+    * ``readers_gone(endpoints)``: the consumers at these endpoints were declared dead;
+      what is held for them may go (shm frees only what a dead process held; network
+      drops what was sent to them).
+    """
 
     async def put(
         self, key: ChunkKey, encoded: Encoded, *, timeout: float | None = None

@@ -209,15 +209,24 @@ class ShmSender(AsyncResource):
         self._reclaim()
         return self._take(need)
 
-    def note_reader(self, descriptor: ShmDescriptor, pid: int) -> None:
-        """Say which process ``descriptor`` was sent to (process ``pid`` on this host).
+    def note_reader(self, descriptor: ShmDescriptor, endpoint: str, pid: int) -> None:
+        """Say where ``descriptor`` was sent: process ``pid`` on this host (0: unknown;
+        the endpoint is not needed here).
 
         If that process dies before it starts reading, the extent is taken back like one
         whose reader died while reading; without this, only the latter can be.
         """
         held = self._held.get(descriptor.slot)
-        if held is not None and held[0] == descriptor.generation:
+        if pid and held is not None and held[0] == descriptor.generation:
             self._readers[descriptor.slot] = pid
+
+    def readers_gone(self, endpoints: set[str]) -> None:
+        """Consumers were declared dead: take back what dead processes held or were sent.
+
+        Only a process that is really gone loses its extents: one declared dead but still
+        running (hung, cut off) may still read them in place.
+        """
+        self._reclaim(dead_readers=True)
 
     def _reclaim(self, *, dead_readers: bool = False) -> None:
         """Take back extents their consumer released, and if asked those whose reader died

@@ -281,10 +281,12 @@ async def test_peers_that_register_during_a_slow_setup_are_known() -> None:
         assert [o.value for o in outs] == [f"a{i} b{i}" for i in range(10)]
 
 
-async def test_shm_payloads_of_a_killed_consumer_are_taken_back() -> None:
-    """A consumer killed with shm payloads sent to it but never read leaves the producer's
-    arena empty: the producer knows where each payload went and takes back what a dead
-    process can no longer read (and what it was reading when it died)."""
+@pytest.mark.parametrize("transport", ["shm", "network"])
+async def test_payloads_held_for_a_killed_consumer_are_taken_back(transport: str) -> None:
+    """A consumer killed with payloads sent to it but never read leaves the producer's
+    transport holding nothing: the producer knows where each payload went, and takes back
+    what a dead process can no longer read (shm: its pid is gone; network: the master
+    declared the replica dead)."""
     s = spec(
         {
             "flood": {"impl": ":Flood", "params": {"count": 4, "size": 128 * 1024}},
@@ -293,27 +295,38 @@ async def test_shm_payloads_of_a_killed_consumer_are_taken_back() -> None:
             "drain": {"impl": ":Drain", "params": {"delay": 60}, "max_concurrency": 1},
         },
         [("flood", "drain")],
-        transport="shm",
+        transport=transport,
+        # Stopped (network below), the consumer must not be declared dead before it is
+        # killed: that is what would drop its payloads, and it is the kill under test.
+        heartbeat_timeout="60s",
     )
 
-    async def shm() -> dict[str, int]:
+    async def counters() -> dict[str, int]:
         stats = await pipe.statistics()
         flood = next(r for r in stats["replicas"] if r["stage"] == "flood")
-        return flood["outputs"][0]["transports"]["shm"]  # type: ignore[no-any-return]
+        return flood["outputs"][0]["transports"][transport]  # type: ignore[no-any-return]
 
     async def held() -> int:
-        return (await shm())["held"]
+        return (await counters())["held"]
 
     async with Pipeline(s) as pipe:
+        victim = pipe.worker_pids[("drain", 0)]
+        if transport == "network":
+            # A network consumer fetches as soon as an envelope comes: stopped, it cannot.
+            os.kill(victim, signal.SIGSTOP)
         tasks = [asyncio.ensure_future(pipe.submit(Text(f"go {i}"))) for i in range(2)]
 
-        async def all_put() -> bool:
-            return (await shm())["chunks"] == 8  # 2 requests x 4 chunks
+        seen: dict[str, int] = {}
 
-        await wait_for(all_put)
-        # The first chunk was read (and, its bytes copied out, released); the rest wait.
-        assert await held() >= 6
-        os.kill(pipe.worker_pids[("drain", 0)], signal.SIGKILL)
+        async def all_put() -> bool:
+            # While the consumer is stopped, each call waits out its silence (5 s).
+            seen.update(await counters())
+            return seen["chunks"] == 8  # 2 requests x 4 chunks
+
+        await wait_for(all_put, timeout=30)
+        # shm: the first chunk was read (its bytes copied out, released); the rest wait.
+        assert seen["held"] >= 6, seen
+        os.kill(victim, signal.SIGKILL)
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(isinstance(r, StageUnavailable) for r in results), results
 
