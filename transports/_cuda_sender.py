@@ -39,7 +39,7 @@ from transports._cuda_descriptor import (
 from transports._cuda_handles import EXPORTS, EventPool, PooledEvent, device_uuid, require_cuda
 from transports._cuda_release_table import ReleaseTable
 from transports._liveness import pid_alive, pid_namespace
-from transports._protocol import EdgeContext, Transport, TransportStatistics
+from transports._protocol import Descriptor, EdgeContext, Transport, TransportStatistics
 from transports._resource import AsyncResource
 
 __all__ = ("LOCAL", "CudaIpcSender")
@@ -69,6 +69,10 @@ class _Held:
     nbytes: int
     buffers: dict[int, Any]
     events: tuple[PooledEvent, ...]
+    #: The host part's descriptor in the host transport.
+    host_descriptor: Descriptor | None = None
+    #: The process it was sent to, where the runtime said (0: unknown).
+    reader: int = 0
 
 
 @dataclass(slots=True)
@@ -225,7 +229,7 @@ class CudaIpcSender(AsyncResource):
             self._unreserve(slot, size, events)
             raise self._error(f"{key}: closed while the payload was being stored")
         table.issue(slot, generation)
-        self._held[slot] = _Held(generation, size, buffers, events)
+        self._held[slot] = _Held(generation, size, buffers, events, host_descriptor)
         if buffers:
             LOCAL[(table.name, slot, generation)] = (buffers, events)
             self.device_chunks += 1
@@ -375,17 +379,46 @@ class CudaIpcSender(AsyncResource):
                 self._free(slot, held)
 
     def _reap_dead_readers(self) -> bool:
-        """Reclaim payloads whose reader has died; whether any was."""
+        """Reclaim payloads whose reader has died, or whose consumer (see
+        :meth:`note_reader`) died before reading them; whether any was."""
         table = self._table
         if table is None:
             return False
         reaped = False
+        alive: dict[int, bool] = {}
         for slot, held in list(self._held.items()):
-            if _reader_died(table, slot, self._namespace):
+            dead = _reader_died(table, slot, self._namespace)
+            if not dead and held.reader and table.reader(slot)[0] == 0:
+                if held.reader not in alive:
+                    alive[held.reader] = pid_alive(held.reader)
+                dead = not alive[held.reader]
+            if dead:
                 self._free(slot, held)
                 self.reclaimed += 1
                 reaped = True
         return reaped
+
+    def note_reader(self, descriptor: CudaIpcDescriptor, endpoint: str, pid: int) -> None:
+        """Say where ``descriptor`` was sent: process ``pid`` on this host (0: unknown).
+
+        If that process dies before it opens the payload, the payload (device buffers and
+        host part) is let go like one whose reader died; without this it stays held.
+        """
+        held = self._held.get(descriptor.slot)
+        if held is None or held.generation != descriptor.generation:
+            return
+        held.reader = pid
+        note = getattr(self._host, "note_reader", None)
+        if note is not None and held.host_descriptor is not None:
+            note(held.host_descriptor, endpoint, pid)
+
+    def readers_gone(self, endpoints: set[str]) -> None:
+        """Consumers were declared dead: let go of what dead processes held or were sent
+        (one declared dead but still running keeps what it may be using)."""
+        self._reap_dead_readers()
+        gone = getattr(self._host, "readers_gone", None)
+        if gone is not None:
+            gone(endpoints)
 
     def _arm_timer(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._timer is None and self._held:

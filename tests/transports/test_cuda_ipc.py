@@ -175,6 +175,35 @@ async def test_dead_reader_is_reclaimed(edge: EdgeContext) -> None:
         peer.close()
 
 
+def _exited_pid() -> int:
+    """The pid of a process that has come and gone."""
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(child.stdout)
+
+
+async def test_payload_sent_to_a_consumer_dead_before_reading_is_let_go(
+    edge: EdgeContext,
+) -> None:
+    """A payload whose consumer died before opening it is let go, with its host part,
+    once consumers are declared gone; one sent to a live process is kept."""
+    transport = CudaIpcTransport(capacity=MiB)
+    async with transport.open_sender(edge) as sender:
+        to_dead = await sender.put(_key(0), Encoded(b"h", (bytes(1000),)), timeout=5)
+        to_live = await sender.put(_key(1), Encoded(b"h", (bytes(1000),)), timeout=5)
+        sender.note_reader(to_dead, "tcp://127.0.0.1:1", _exited_pid())
+        sender.note_reader(to_live, "tcp://127.0.0.1:2", os.getpid())
+        assert sender.held[0] == 2
+        sender.readers_gone({"tcp://127.0.0.1:1"})
+        assert sender.held[0] == 1 and sender.reclaimed == 1
+        host = sender._host.statistics()
+        assert host.held == 1, host  # the host part of the dead one's payload went too
+
+
 @pytest.mark.skipif(CUDA, reason="checks the message of a process without CUDA")
 async def test_device_put_without_cuda_is_a_clear_error(
     ends: tuple[CudaIpcSender, CudaIpcReceiver],
