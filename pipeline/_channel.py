@@ -106,7 +106,10 @@ def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
     seq = run.first
     if run.credit:
         # The producer waits for credit once this run's last chunk is taken.
-        inflow.credit_due = min(inflow.credit_due, seq + len(items))
+        asked = seq + len(items)
+        if asked > inflow.asked:
+            inflow.asked = asked
+            inflow.credit_due = min(inflow.credit_due, asked)
     last = seq + len(items) - 1
     final = run.final
     refused = 0
@@ -120,13 +123,15 @@ def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
 class Inflow:
     """One request's position on one input edge: its reorder buffer and credit marks."""
 
-    __slots__ = ("buffer", "credit_due", "held", "taken")
+    __slots__ = ("asked", "buffer", "credit_due", "held", "taken")
 
     def __init__(self, buffer: ReorderBuffer[Item], credit_step: int) -> None:
         self.buffer = buffer
         self.taken = 0
         #: Credit goes back once this many chunks are taken.
         self.credit_due = credit_step
+        #: The producer waits for credit once this many are taken (its byte window is full).
+        self.asked = 0
         #: The next chunk, taken from the buffer by ``poll`` but left for ``next`` to fetch.
         self.held: tuple[Item, bool] | None = None
 
@@ -418,7 +423,9 @@ class OutputChannel:
         win = self._windows.get(credit.request_id)
         if win is None or credit.upto <= win.acked:
             return
-        upto = min(credit.upto, win.next_seq)
+        # Never past what was queued: a chunk whose put is still under way has a seq but no
+        # size yet, and a forged credit may claim anything.
+        upto = min(credit.upto, win.acked + len(win.sizes))
         sizes = win.sizes
         freed = 0
         for _ in range(upto - win.acked):
@@ -631,7 +638,10 @@ class InputChannel:
         """Tell ``sender`` that every chunk taken so far may be replaced by new ones."""
         credit = Credit(inflow.buffer.request_id, self.plan.name, inflow.taken)
         self._send(sender, encode_message(credit))
-        inflow.credit_due = inflow.taken + self._credit_step
+        taken = inflow.taken
+        due = taken + self._credit_step
+        # A credit the producer asked for further on still goes when that chunk is taken.
+        inflow.credit_due = inflow.asked if taken < inflow.asked < due else due
 
     async def fetch(self, item: Item) -> Any:
         """Materialise and decode an item's payload, then release the transport's hold.

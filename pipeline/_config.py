@@ -33,6 +33,7 @@ from ._units import (
     Count,
     Device,
     ImportPath,
+    PositiveByteSize,
     StageName,
     Timeout,
     TransportKind,
@@ -111,7 +112,7 @@ class DefaultsSpec(_Spec):
     """The deadline of a whole request; ``None`` means no deadline."""
     window: Count = 64
     """Chunks in flight per request per edge before the producer waits."""
-    window_bytes: ByteSize = 64 * 1024 * 1024
+    window_bytes: PositiveByteSize = 64 * 1024 * 1024
     """Payload bytes in flight per request per edge before the producer waits; a chunk
     larger than this still goes, alone. Whichever of the two limits comes first holds."""
     max_inflight: Count = 1024
@@ -193,7 +194,7 @@ class EdgeSpec(_Spec):
     """This edge's chunk timeout, instead of the default."""
     window: Count | None = None
     """This edge's window, instead of the default."""
-    window_bytes: ByteSize | None = None
+    window_bytes: PositiveByteSize | None = None
     """This edge's byte window, instead of the default."""
 
     @property

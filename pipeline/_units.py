@@ -159,6 +159,9 @@ ByteSize = Annotated[
     WithJsonSchema(_schema(_SIZE_RE, {"type": "integer", "minimum": 0})),
 ]
 
+#: A size in bytes of at least one byte.
+PositiveByteSize = Annotated[ByteSize, Field(ge=1)]
+
 #: A duration in seconds: a number >= 0, or a string such as ``"30s"``, ``"500ms"``, ``"2m"``.
 Duration = Annotated[
     float,

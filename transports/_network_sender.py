@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+from collections import OrderedDict
 
 from pipeline._encoded import Buffer, Encoded
 from pipeline._errors import TransportError
@@ -31,6 +32,9 @@ __all__ = ("NetworkSender",)
 #: The most idle block bytes a sender keeps for reuse (or its capacity, if smaller).
 _POOL_KEEP = 256 * 2**20
 
+#: How many endpoints of consumers declared gone a sender remembers.
+_GONE_KEPT = 256
+
 
 class NetworkSender(AsyncResource):
     """The producer's end of a network edge: holds payloads for receivers to fetch.
@@ -48,6 +52,8 @@ class NetworkSender(AsyncResource):
         self._pool = BlockPool(min(options.capacity, _POOL_KEEP), options.segment_size)
         self._server: Server | None = None
         self._closed = False
+        #: Endpoints of consumers declared gone, latest last (see ``readers_gone``).
+        self._gone: OrderedDict[str, None] = OrderedDict()
         self.chunks = 0
         self.bytes = 0
         self.errors = 0
@@ -134,15 +140,22 @@ class NetworkSender(AsyncResource):
 
     def note_reader(self, descriptor: NetworkDescriptor, endpoint: str, pid: int) -> None:
         """Say where ``descriptor`` was sent: the consumer's data endpoint (and its pid,
-        unused here), so that :meth:`readers_gone` can drop its payload."""
+        unused here), so that :meth:`readers_gone` can drop its payload. A payload for a
+        consumer already gone (its put finished after the news) is dropped at once."""
         server = self._server
         held = None if server is None else server.held.get(descriptor.token)
-        if held is not None:
+        if server is not None and held is not None:
             held.reader = endpoint
+            if endpoint in self._gone:
+                server.drop_for({endpoint})
 
     def readers_gone(self, endpoints: set[str]) -> None:
         """Drop the payloads sent to consumers that are gone (declared dead by the master):
         none of them will be fetched, and a fetch under way will not complete."""
+        for endpoint in endpoints:
+            self._gone[endpoint] = None
+        while len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
         if self._server is not None:
             self._server.drop_for(endpoints)
 

@@ -145,6 +145,25 @@ async def ends() -> AsyncIterator[tuple[NetworkSender, NetworkReceiver]]:
         yield sender, rx
 
 
+async def test_payloads_for_a_consumer_declared_gone_are_dropped(
+    ends: tuple[NetworkSender, NetworkReceiver],
+) -> None:
+    """What is held for a consumer declared gone is dropped, and so is a payload whose put
+    finished after the news; payloads for other consumers stay."""
+    sender, _ = ends
+    first = await sender.put(_key(), Encoded(b"h", (bytes(1000),)), timeout=5)
+    other = await sender.put(_key(), Encoded(b"h", (bytes(1000),)), timeout=5)
+    sender.note_reader(first, "tcp://127.0.0.1:1", 0)
+    sender.note_reader(other, "tcp://127.0.0.1:2", 0)
+    assert sender.statistics().held == 2
+    sender.readers_gone({"tcp://127.0.0.1:1"})
+    assert sender.statistics().held == 1
+    late = await sender.put(_key(), Encoded(b"h", (bytes(1000),)), timeout=5)
+    sender.note_reader(late, "tcp://127.0.0.1:1", 0)
+    assert sender.statistics().held == 1
+    assert sender.held_bytes == 1000 + 1  # the other one's header and buffer
+
+
 # -- a producer in another process ---------------------------------------------------------
 
 

@@ -1,0 +1,144 @@
+"""The byte window between two real channel ends, in one process: the producer's
+OutputChannel and the consumer's InputChannel exchange real encoded runs and credits.
+
+Edge cases a pipeline rarely hits on its own: a byte window filled by one large chunk
+after many small ones, a credit ahead of a put still under way, a forged credit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from pipeline import ConfigError
+from pipeline._channel import InputChannel, OutputChannel, SendTarget, file_run
+from pipeline._errors import EndOfChannel
+from pipeline._messages import Chunks, Credit, decode_batch, encode_batch
+from pipeline._signature import EdgePlan, build_plan
+from pipeline._stage import NOT_READY
+from tests.pipeline.conftest import spec
+from tests.pipeline.sample_stages import Blob
+
+
+def _plan(window: int, window_bytes: int) -> EdgePlan:
+    s = spec(
+        {"flood": ":Flood", "drain": ":Drain"},
+        [("flood", "drain")],
+        window=window,
+        window_bytes=window_bytes,
+        transport="inline",
+    )
+    return build_plan(s).stages["flood"].outputs["drain"]
+
+
+class _Wire:
+    """Both ends of one edge, and what travels between them, delivered on request."""
+
+    def __init__(self, plan: EdgePlan) -> None:
+        self.runs: list[Any] = []
+        self.credits: list[bytes] = []
+        self.out = OutputChannel(
+            plan, host="h", endpoint="producer", send=lambda _, run: self.runs.append(run)
+        )
+        self.inp = InputChannel(plan, host="h", send=lambda _, msg: self.credits.append(msg))
+        self.inflow = self.inp.open("r")
+        self.target = SendTarget("consumer", "h")
+
+    def deliver(self) -> None:
+        """Runs to the consumer, credits to the producer, each through its encoding."""
+        while self.runs:
+            (run,) = decode_batch(encode_batch([self.runs.pop(0).seal()]))
+            assert isinstance(run, Chunks)
+            file_run(self.inflow, run, self.inp.admit(run))
+        while self.credits:
+            (credit,) = decode_batch(encode_batch([self.credits.pop(0)]))
+            assert isinstance(credit, Credit)
+            self.out.on_credit(credit)
+
+    async def produce(self, sizes: list[int]) -> None:
+        for i, n in enumerate(sizes):
+            encoded = self.out.codec.encode(Blob(i, bytes(n)))
+            if not self.out.try_send("r", encoded, False, self.target):
+                await self.out.send("r", encoded, False, self.target)
+            await asyncio.sleep(0)
+        await self.out.send("r", None, True, self.target)
+
+    async def consume(self) -> int:
+        """Take every chunk as a handler would; how many came before the end.
+
+        Fails when nothing can move: no chunk to take, and the producer waiting for credit.
+        """
+        taken = idle = 0
+        while True:
+            self.deliver()
+            try:
+                blob = self.inp.poll(self.inflow)
+            except EndOfChannel:
+                return taken
+            if blob is NOT_READY:
+                idle += 1
+                win = self.out._windows["r"]
+                assert idle < 1000, (
+                    f"stuck after {taken} taken: producer at seq {win.next_seq}, "
+                    f"{win.in_flight} bytes in flight; consumer credits at {self.inflow.credit_due}"
+                )
+                await asyncio.sleep(0)
+                continue
+            idle = 0
+            assert blob.seq == taken
+            taken += 1
+
+
+async def test_a_large_chunk_after_small_ones_gets_its_credit() -> None:
+    """A routine credit (every half window) before the chunk that filled the byte window
+    must not cancel the credit the producer asked for at that chunk."""
+    wire = _Wire(_plan(window=64, window_bytes=1_000_000))
+    sizes = [100] * 40 + [2_000_000] + [100] * 5
+    producer = asyncio.ensure_future(wire.produce(sizes))
+    for _ in range(200):  # the producer runs ahead until the byte window is full
+        await asyncio.sleep(0)
+    assert await wire.consume() == len(sizes)
+    await producer
+
+
+async def test_a_credit_ahead_of_the_queued_chunks_is_clamped() -> None:
+    """A credit past what the producer queued (a put still under way, or a forged one)
+    neither raises nor breaks the window: the stream still completes."""
+    wire = _Wire(_plan(window=4, window_bytes=10_000))
+    wire.out.on_credit(Credit("r", wire.out.plan.name, 1000))  # before anything was sent
+    wire.out.on_credit(Credit("nobody", wire.out.plan.name, 5))
+    sizes = [3000] * 12
+    producer = asyncio.ensure_future(wire.produce(sizes))
+    await asyncio.sleep(0)
+    wire.out.on_credit(Credit("r", wire.out.plan.name, 1000))  # forged, mid-stream
+    assert await wire.consume() == len(sizes)
+    await producer
+
+
+def test_a_zero_byte_window_is_refused() -> None:
+    with pytest.raises(ConfigError, match="window_bytes"):
+        _plan(window=4, window_bytes=0)
+
+
+async def test_a_credit_during_a_put_counts_only_queued_chunks() -> None:
+    """A chunk whose put is still under way (shm: the segment is being made) has its seq
+    but no size yet: a credit naming it is clamped, and the window stays whole."""
+    s = spec({"flood": ":Flood", "drain": ":Drain"}, [("flood", "drain")], transport="shm")
+    plan = build_plan(s).stages["flood"].outputs["drain"]
+    runs: list[Any] = []
+    out = OutputChannel(plan, host="h", endpoint="producer", send=lambda _, run: runs.append(run))
+    try:
+        encoded = out.codec.encode(Blob(0, bytes(1000)))
+        put = asyncio.ensure_future(out.send("r", encoded, False, SendTarget("consumer", "h")))
+        await asyncio.sleep(0)
+        assert not put.done() and out._windows["r"].next_seq == 1
+        out.on_credit(Credit("r", plan.name, 1))  # names the chunk being put
+        await put
+        win = out._windows["r"]
+        assert (win.acked, len(win.sizes), win.in_flight) == (0, 1, encoded.nbytes)
+        out.on_credit(Credit("r", plan.name, 1))  # now it counts
+        assert (win.acked, len(win.sizes), win.in_flight) == (1, 0, 0)
+    finally:
+        await out.aclose()
