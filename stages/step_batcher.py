@@ -111,8 +111,6 @@ class StepBatcher:
             asyncio.get_running_loop().call_soon(self._run)
         if not group:
             return
-        self.steps += 1
-        self.request_steps += len(group)
         try:
             if len(group) == 1:
                 tokens = [self._decoder.step(group[0][0], group[0][1])]
@@ -124,5 +122,7 @@ class StepBatcher:
             for _, _, future in group:
                 future.set_exception(exc)
             return
+        self.steps += 1
+        self.request_steps += len(group)
         for (_, _, future), next_token in zip(group, tokens, strict=True):
             future.set_result((next_token, len(group)))
