@@ -485,7 +485,7 @@ async def staged_latency(
         "e2e_ms": [s["e2e_ms"] for s in samples],
         "decode_timings_p50_ms": {
             k: median([s["timings"][k] for s in samples])
-            for k in ("kv_receive_ms", "first_token_ms", "decode_ms")
+            for k in ("kv_receive_ms", "first_token_ms", "decode_ms", "model_ms")
         },
         "cpu_ms_per_request": cpu,
     }
@@ -910,7 +910,8 @@ def render(raw: dict[str, Any], s: dict[str, Any]) -> str:
         f"- decode stage's own timings p50 (ms): {_fmt_ms(dt)}; so e2e minus decode's "
         f"time = {front:.2f} ms (client→preprocess→encode→prefill→decode, plus the tail "
         f"back to the client) against {mono_front:.2f} ms of prepare+encode+prefill in "
-        f"one process; staged decode loop {dt['decode_ms']:.2f} ms against mono "
+        f"one process; staged decode loop {dt['decode_ms']:.2f} ms (of it model steps "
+        f"{dt['model_ms']:.2f} ms, the rest the runtime's) against mono "
         f"{mono['steps_p50_ms']['decode_ms']:.2f} ms",
         f"- staged shutdown {raw['staged_shutdown_s']:.2f} s; "
         f"staged final chunk p50 {staged['final_chunk_p50_ms']:.2f} ms, stream end p50 "

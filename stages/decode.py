@@ -98,6 +98,7 @@ class Decode(DecoderStage):
         pending: list[int] = []
         t_first = t_kv
         steps = shared = 0
+        model_s = 0.0
         batcher = self.batcher
         with batcher.decoding():
             while decoding.has_token():
@@ -114,9 +115,10 @@ class Decode(DecoderStage):
                     break
                 # The step yields to the loop (every step while others decode, every few
                 # ms alone): other requests' steps interleave and an abort is noticed.
-                decoding.token, batch = await batcher.step(token, cache)
+                decoding.token, batch, ran = await batcher.step(token, cache)
                 steps += 1
                 shared += batch
+                model_s += ran
         if pending:
             parts.append(delta := text.push(pending))
             yield DecodeChunk(token_ids=pending, text_delta=delta)
@@ -135,6 +137,9 @@ class Decode(DecoderStage):
                 "first_token_ms": (t_first - t0) * 1e3,
                 "decode_ms": decode_s * 1e3,
                 "tokens_per_s": len(generated) / decode_s if decode_s > 0 else 0.0,
+                # Time in the model steps that made this request's tokens (batched steps
+                # whole); the rest of decode_ms is the runtime's and the loop's.
+                "model_ms": model_s * 1e3,
                 # How many requests shared this request's steps, on average (1: alone).
                 "mean_batch": shared / steps if steps else 1.0,
             },

@@ -17,15 +17,28 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from stages.model import Decoder, LayerKV
 
-__all__ = ("YIELD_ALONE_S", "StepBatcher")
+__all__ = ("YIELD_ALONE_S", "Step", "StepBatcher")
 
 #: A request decoding alone lets the event loop run at least this often (seconds).
 YIELD_ALONE_S = 0.005
 
-_Waiting = tuple[int, list[LayerKV], "asyncio.Future[tuple[int, int]]"]
+
+class Step(NamedTuple):
+    """What one request's step gave it."""
+
+    #: The next greedy token.
+    token: int
+    #: How many requests' steps the model step that made it held (1: alone).
+    batch: int
+    #: How long that model step ran, in seconds (waiting for it not included).
+    seconds: float
+
+
+_Waiting = tuple[int, list[LayerKV], "asyncio.Future[Step]"]
 
 
 class StepBatcher:
@@ -68,12 +81,12 @@ class StepBatcher:
         finally:
             self._decoding -= 1
 
-    async def step(self, token: int, cache: list[LayerKV]) -> tuple[int, int]:
+    async def step(self, token: int, cache: list[LayerKV]) -> Step:
         """Feed ``token``, extending ``cache`` in place.
 
         Returns:
-            The next greedy token, and how many requests' steps the step that made it
-            held (1 when alone).
+            The next greedy token, how many requests' steps the model step that made it
+            held (1 when alone), and how long that model step ran.
 
         Raises:
             ValueError: the cache already fills the context.
@@ -81,19 +94,20 @@ class StepBatcher:
         """
         loop = asyncio.get_running_loop()
         if self._decoding <= 1 or self._max_batch <= 1:
+            started = time.perf_counter()
             next_token = self._decoder.step(token, cache)
+            ran = time.perf_counter() - started
             self.steps += 1
             self.request_steps += 1
             # Let the loop run (arrivals, aborts): after every step when others decode
             # too (they take turns), alone only every ``yield_alone_s``. A loop turn right
             # after a step costs 3-5% of the step on a small VM (cold caches, a syscall),
             # and a loop with nothing to do gains nothing from it.
-            now = time.perf_counter()
-            if self._decoding > 1 or now - self._yielded >= self._yield_alone_s:
+            if self._decoding > 1 or started + ran - self._yielded >= self._yield_alone_s:
                 await asyncio.sleep(0)
                 self._yielded = time.perf_counter()
-            return next_token, 1
-        future: asyncio.Future[tuple[int, int]] = loop.create_future()
+            return Step(next_token, 1, ran)
+        future: asyncio.Future[Step] = loop.create_future()
         self._waiting.append((token, cache, future))
         if not self._scheduled:
             self._scheduled = True
@@ -111,6 +125,7 @@ class StepBatcher:
             asyncio.get_running_loop().call_soon(self._run)
         if not group:
             return
+        started = time.perf_counter()
         try:
             if len(group) == 1:
                 tokens = [self._decoder.step(group[0][0], group[0][1])]
@@ -122,7 +137,8 @@ class StepBatcher:
             for _, _, future in group:
                 future.set_exception(exc)
             return
+        ran = time.perf_counter() - started
         self.steps += 1
         self.request_steps += len(group)
         for (_, _, future), next_token in zip(group, tokens, strict=True):
-            future.set_result((next_token, len(group)))
+            future.set_result(Step(next_token, len(group), ran))

@@ -168,11 +168,19 @@ async def test_the_stream_is_small_chunks_then_a_summary(
     assert final.text == "".join(c.text_delta for c in chunks)
     assert final.text == bytes(t for t in expected[index] if t < 256).decode("utf-8", "replace")
     assert final.stop_reason == "max_new_tokens"
-    timings = {"kv_receive_ms", "first_token_ms", "decode_ms", "tokens_per_s", "mean_batch"}
+    timings = {
+        "kv_receive_ms",
+        "first_token_ms",
+        "decode_ms",
+        "tokens_per_s",
+        "mean_batch",
+        "model_ms",
+    }
     assert set(final.timings) == timings
     assert all(v >= 0 for v in final.timings.values())
     assert final.timings["tokens_per_s"] > 0
     assert final.timings["mean_batch"] == 1.0  # decoded alone
+    assert 0 < final.timings["model_ms"] <= final.timings["decode_ms"]
 
 
 async def test_an_early_eos_ends_the_stream_with_stop_reason_eos(

@@ -71,7 +71,9 @@ async def _decode(
             out.append(decoding.token)
             if not decoding.wants_step():
                 break
-            decoding.token, size = await batcher.step(decoding.token, decoding.cache)
+            step = await batcher.step(decoding.token, decoding.cache)
+            decoding.token, size = step.token, step.batch
+            assert step.seconds > 0
             sizes.append(size)
             if stepped is not None:
                 stepped.set()
@@ -187,7 +189,7 @@ async def test_requests_that_cannot_batch_take_turns_step_by_step(model: TinyVLM
                 out.append(decoding.token)
                 if not decoding.wants_step():
                     break
-                decoding.token, size = await batcher.step(decoding.token, decoding.cache)
+                decoding.token, size, _ = await batcher.step(decoding.token, decoding.cache)
                 assert size == 1
                 order.append(who)
         return out
