@@ -403,13 +403,7 @@ def test_release_table_refuses_bad_names(name: str) -> None:
 
 def test_dead_owners_tables_are_swept() -> None:
     """A table left by a process that died is unlinked; a live owner's is kept."""
-    child = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    dead = release_table._DIR / f"stagewire-cudaipc-{int(child.stdout)}-{'0' * 16}"
+    dead = release_table._DIR / f"stagewire-cudaipc-{_exited_pid()}-{'0' * 16}"
     dead.write_bytes(bytes(64))
     live = ReleaseTable.create(1)
     try:
