@@ -37,6 +37,9 @@ D. worker start-up: the time ``async with Pipeline(...)`` takes to be ready, aga
    bare interpreter importing the worker's entry point.
 E. diagnostic: streaming again with a credit window of W chunks (256 by default in a full
    run) instead of the default (64), to show how much the window alone limits throughput.
+F. diagnostic: the wake-up of A with the receiver idle, first, for as long as a stage of
+   the latency chain idles between two of its hops (one request's end-to-end time), as
+   ``benchmarks/wake_cost.py`` measures it: the floor a real hop stands on here.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ import zmq  # noqa: E402
 
 from benchmarks._measure import PhaseLog, cpu_seconds, hop_p50s, median  # noqa: E402
 from benchmarks.bench_stages import Blob, Counted, Start  # noqa: E402
+from benchmarks.wake_cost import measure as wake_cost  # noqa: E402
 from pipeline import Pipeline  # noqa: E402
 from pipeline._reorder import ReorderBuffer  # noqa: E402
 
@@ -956,6 +960,18 @@ def build_rows(r: dict[str, Any]) -> list[list[str]]:
         "-",
         None,
     )
+    idle = r.get("idle_wakeup")
+    if idle:
+        hot, cold = idle[0], idle[-1]
+        row(
+            "1 KiB envelope hop p50",
+            _fmt(lat["envelope_hop_p50_us"], "us"),
+            f"unix-socket wake-up, receiver idle {cold['gap_ms']:.1f} ms first (as a chain "
+            f"stage) {_fmt(cold['wake_us'], 'us')}; in ping-pong {_fmt(hot['wake_us'], 'us')}",
+            lat["envelope_hop_p50_us"] / cold["wake_us"],
+            "-",
+            None,
+        )
     zs = zr["stream_1KiB"]["msgs_per_s"]
     for label in ("single", "concurrent"):
         rate = st[label]["chunks_per_s_per_edge"]
@@ -1180,6 +1196,9 @@ def main(argv: list[str] | None = None) -> int:
     wide = args.wide_window if args.wide_window is not None else (None if args.quick else 256)
     results.update(asyncio.run(run_async(cfg, wide or None)))
     results["ordering_cost"] = ordering_cost(results["ordering"], results["stagewire"]["stream"])
+    _log("diagnostic F: wake-up after the receiver idled as long as a chain stage does")
+    idle_s = results["stagewire"]["latency"]["e2e_p50_us"] / 1e6
+    results["idle_wakeup"] = wake_cost(cfg.pipe_iters // 10, (0.0, idle_s))
     results["elapsed_s"] = time.perf_counter() - t_start
     results["phase_start_s"] = _log.phases
     print(render(results))

@@ -55,8 +55,8 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def measure(rounds: int) -> list[dict[str, float]]:
-    """Send cost and wake-up latency for every gap, in microseconds (medians)."""
+def measure(rounds: int, gaps: tuple[float, ...] = GAPS_S) -> list[dict[str, float]]:
+    """Send cost and wake-up latency for every gap (seconds), in microseconds (medians)."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = subprocess.Popen(
         [sys.executable, __file__, "--child", str(theirs.fileno())], pass_fds=[theirs.fileno()]
@@ -64,7 +64,7 @@ def measure(rounds: int) -> list[dict[str, float]]:
     theirs.close()
     rows = []
     try:
-        for gap in GAPS_S:
+        for gap in gaps:
             sends, wakes = [], []
             for i in range(rounds + rounds // 5):
                 _spin(gap)
