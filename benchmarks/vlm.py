@@ -3,7 +3,7 @@
 Run from the repository root::
 
     .venv/bin/python benchmarks/vlm.py [--quick] [--json OUT] [--decode-replicas N]
-        [--max-batch N]
+        [--max-batch N] [--chunk-tokens N]
 
 The markdown report goes to stdout, progress (and the workers' logs) to stderr. A full run
 takes about 45 s on a 2-core machine, ``--quick`` about 25 s; ``--decode-replicas 2`` adds
@@ -579,14 +579,13 @@ class MachineMeter:
         }
 
 
-def _spec(decode_replicas: int = 1, max_batch: int | None = None) -> PipelineSpec:
-    """configs/tiny-vlm.yaml with ``decode_replicas`` replicas of the decode stage, and its
-    ``max_batch`` when given (1: every request steps alone)."""
+def _spec(decode_replicas: int = 1, decode_params: dict[str, int] | None = None) -> PipelineSpec:
+    """configs/tiny-vlm.yaml with ``decode_replicas`` replicas of the decode stage, and the
+    decode params given (``max_batch``: 1 makes every request step alone; ``chunk_tokens``)."""
     data: dict[str, Any] = PipelineSpec.from_yaml(CONFIG).to_dict()
     decode = data["stages"]["decode"]
     decode["replicas"] = decode_replicas
-    if max_batch is not None:
-        decode["params"]["max_batch"] = max_batch
+    decode["params"].update(decode_params or {})
     return PipelineSpec.from_dict(data)
 
 
@@ -615,7 +614,9 @@ async def _staged_trials(
     return trials
 
 
-async def run(cfg: Config, decode_replicas: int, max_batch: int | None) -> dict[str, Any]:
+async def run(
+    cfg: Config, decode_replicas: int, decode_params: dict[str, int] | None = None
+) -> dict[str, Any]:
     """Start the monolithic children and the pipeline, then interleave their trials."""
     requests = sample_requests(N_INPUTS)
     timeout = cfg.step_timeout_s
@@ -633,7 +634,7 @@ async def run(cfg: Config, decode_replicas: int, max_batch: int | None) -> dict[
 
         _log("staged pipeline: start-up")
         t0 = time.perf_counter()
-        async with Pipeline(_spec(max_batch=max_batch)) as pipe:
+        async with Pipeline(_spec(decode_params=decode_params)) as pipe:
             out["staged_startup_s"] = time.perf_counter() - t0
             out["workers"] = {stage: pid for (stage, _k), pid in pipe.worker_pids.items()}
             # The second monolithic child (for the two-process diagnostic only) starts
@@ -676,7 +677,7 @@ async def run(cfg: Config, decode_replicas: int, max_batch: int | None) -> dict[
         if decode_replicas > 1:
             _log(f"diagnostic: staged with {decode_replicas} decode replicas: start-up")
             t0 = time.perf_counter()
-            async with Pipeline(_spec(decode_replicas, max_batch)) as pipe:
+            async with Pipeline(_spec(decode_replicas, decode_params)) as pipe:
                 rep: dict[str, Any] = {
                     "decode_replicas": decode_replicas,
                     "startup_s": time.perf_counter() - t0,
@@ -932,7 +933,8 @@ def render(raw: dict[str, Any], s: dict[str, Any]) -> str:
         + f"; mono {mono['cpu_ms_per_request_tput']:.1f}",
         f"- decode steps at conc {CONCURRENCY}: each request's steps were shared by "
         f"{staged['mean_batch_conc8']:.2f} requests on average (decode max_batch: "
-        f"{cfg['max_batch'] if cfg['max_batch'] is not None else 'as configured'})",
+        f"{cfg['max_batch'] if cfg['max_batch'] is not None else 'as configured'}; "
+        f"chunk_tokens: {cfg.get('chunk_tokens') or 'as configured'})",
     ]
     return "\n".join(lines)
 
@@ -973,6 +975,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="the decode stage's max_batch instead of the config's (1: no batched steps)",
     )
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the decode stage's chunk_tokens instead of the config's (tokens per streamed "
+        "chunk: fewer chunks, fewer wake-ups of the client)",
+    )
     p.add_argument("--mono-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mono_child:
@@ -985,7 +995,12 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)  # workers resolve "stages.*" from the working directory
     t_start = time.perf_counter()
     try:
-        raw = asyncio.run(run(cfg, args.decode_replicas, args.max_batch))
+        overrides = {
+            k: v
+            for k, v in (("max_batch", args.max_batch), ("chunk_tokens", args.chunk_tokens))
+            if v is not None
+        }
+        raw = asyncio.run(run(cfg, args.decode_replicas, overrides))
     except OutputMismatch as e:
         print(f"OUTPUT MISMATCH: {e}", file=sys.stderr, flush=True)
         return 1
@@ -994,6 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "concurrency": CONCURRENCY,
         "max_batch": args.max_batch,
+        "chunk_tokens": args.chunk_tokens,
     }
     raw["machine"] = {
         "cpus": os.cpu_count(),
