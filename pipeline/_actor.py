@@ -46,16 +46,11 @@ from pipeline._messages import (
 from pipeline._signature import EdgePlan, StagePlan
 from pipeline._sockets import MAX_FRAMES, Outbox, SendData
 from pipeline._stage import Context, Outputs, Stage, Stream
-from transports._liveness import pid_namespace
+from transports._liveness import local_pid
 
 __all__ = ("StageActor",)
 
 log = structlog.get_logger("stagewire.actor")
-
-
-def _local_pid(peer: Peer) -> int:
-    """The peer's pid where it means the same process here (same pid namespace), else 0."""
-    return peer.pid if peer.pidns and peer.pidns == pid_namespace() else 0
 
 
 #: How many finished request ids a replica remembers, to discard their late chunks.
@@ -216,12 +211,12 @@ class StageActor:
         if dst == CLIENT:
             assert self._client is not None
             client = self._client
-            target = SendTarget(client.endpoint, client.host, _local_pid(client))
+            target = SendTarget(client.endpoint, client.host, local_pid(client.pid, client.pidns))
         else:
             peer = self._peers.get(dst, {}).get(route[dst])
             if peer is None:
                 raise StageUnavailable(dst, f"replica {route[dst]} is not known to {self.stage!r}")
-            target = SendTarget(peer.endpoint, peer.host, _local_pid(peer))
+            target = SendTarget(peer.endpoint, peer.host, local_pid(peer.pid, peer.pidns))
             if req.admit is None:
                 req.admit = encode_message(Admit(req.request_id, route, self._token))
             self._send_data(peer.endpoint, req.admit)

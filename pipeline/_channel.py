@@ -255,6 +255,10 @@ class OutputChannel:
             name: create_transport(name, edge.options[name]).open_sender(ctx) for name in edge.names
         }
         self._fixed = None if edge.auto else self._senders[edge.kind]
+        # Optional: where a transport holds payloads until read, whom each was sent to.
+        self._note_reader: dict[str, Callable[[Any, str, int], None] | None] = {
+            name: getattr(sender, "note_reader", None) for name, sender in self._senders.items()
+        }
         inline = self._senders.get("inline")
         self._inline = inline if isinstance(inline, InlineSender) else None
         # Statistics name what carried each chunk by the transport's own name, so a plug-in
@@ -367,7 +371,7 @@ class OutputChannel:
             descriptor = await self._senders[name].put(
                 key, encoded, timeout=self.plan.chunk_timeout
             )
-        note = getattr(self._senders[name], "note_reader", None)
+        note = self._note_reader[name]
         if note is not None:
             note(descriptor, target.endpoint, target.pid if target.host == self.host else 0)
         self._count(name, encoded)

@@ -50,7 +50,7 @@ from pipeline._pulse import pulse_identity
 from pipeline._signature import EdgePlan, PipelinePlan
 from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
 from pipeline._worker import MAX_CONTROL_MESSAGE, MAX_DATA_MESSAGE
-from transports._liveness import pid_namespace
+from transports._liveness import local_pid, pid_namespace
 from transports._registry import AUTO, resolve_transport
 
 __all__ = ("Master",)
@@ -285,16 +285,18 @@ class Master:
         )
         if self.local is not None and msg.local_endpoint and msg.host == self.host:
             self.outbox.set_local(msg.data_endpoint, msg.local_endpoint)
-        # The pid is of use here only inside this process's pid namespace.
-        pid = msg.pid if msg.pidns and msg.pidns == pid_namespace() else 0
         self.orch.replicas[msg.stage][msg.replica] = ReplicaView(
-            msg.stage, msg.replica, msg.data_endpoint, msg.host, pid
+            msg.stage, msg.replica, msg.data_endpoint, msg.host, local_pid(msg.pid, msg.pidns)
         )
         log.info("replica_registered", stage=msg.stage, replica=msg.replica, pid=msg.pid)
         self._send(identity, self._assignment(msg.stage, msg.replica))
+        self._broadcast_peers(but=identity)
+
+    def _broadcast_peers(self, but: bytes = b"") -> None:
+        """Send the peer table to every live replica (but ``but``, which has it)."""
         peers = Peers(self._peer_table())
         for other in self.replicas.values():
-            if other.alive and other.identity != identity:
+            if other.alive and other.identity != but:
                 self._send(other.identity, peers)
 
     def _misplaced(self, stage: str, replica: int, host: str) -> str | None:
@@ -344,10 +346,7 @@ class Master:
         failed = self.orch.replica_lost(stage, replica, why)
         self.orch.readers_gone({rep.endpoint})
         # The others drop their links to it and what their transports hold for it.
-        peers = Peers(self._peer_table())
-        for other in self.replicas.values():
-            if other.alive:
-                self._send(other.identity, peers)
+        self._broadcast_peers()
         log.warning("replica_dead", stage=stage, replica=replica, why=why, failed=failed)
         if not self.startup.ready.is_set() and self.startup.error is None:
             self.startup.error = f"stage {stage!r} replica {replica} {why} during start-up"

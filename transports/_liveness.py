@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ("pid_alive", "pid_namespace")
+__all__ = ("local_pid", "pid_alive", "pid_namespace")
 
 _pidns: tuple[int, int] | None = None
 
@@ -44,3 +44,9 @@ def pid_namespace() -> int:
             ns = 0
         _pidns = (pid, ns)
     return _pidns[1]
+
+
+def local_pid(pid: int, pidns: int) -> int:
+    """``pid`` if it names a process in this pid namespace (``pidns``, from its owner's
+    :func:`pid_namespace`), else 0: a pid from another namespace means another process."""
+    return pid if pidns and pidns == pid_namespace() else 0

@@ -245,9 +245,9 @@ class ShmSender(AsyncResource):
                 reader = words[base + SLOT_READER]
                 pid = reader & LOW32
                 if not (pid and reader >> 32 == generation & LOW32):
-                    # Not being read: by whom it was sent to, if known. A reader that
-                    # starts after this check finds the slot free or reused, which its
-                    # generation check refuses, so only a dead process loses the payload.
+                    # Not being read: judge by the process it was sent to, if known. Only
+                    # that process ever gets the descriptor, so once it is dead nobody
+                    # will read the extent.
                     pid = self._readers.get(slot, 0)
                 if pid:
                     if pid not in alive:
