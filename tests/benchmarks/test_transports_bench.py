@@ -8,14 +8,12 @@ registered (the others must be reported as not installed, never crash the run).
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks._run import run_benchmark
+
 SIZES = ("1024", "65536")
 
 
@@ -24,24 +22,15 @@ def _positive(x: Any) -> bool:
 
 
 def test_smoke_run_reports_transports_and_baselines(tmp_path: Path) -> None:
-    out_json = tmp_path / "transports.json"
     out_png = tmp_path / "transports.png"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/transport_bench.py",
-            "--smoke",
-            "--json",
-            str(out_json),
-            "--plot",
-            str(out_png),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    proc, r = run_benchmark(
+        "transport_bench.py",
+        "--smoke",
+        "--plot",
+        str(out_png),
+        json_out=tmp_path / "transports.json",
         timeout=90,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     report = proc.stdout
     for heading in (
         "### Baselines",
@@ -53,7 +42,6 @@ def test_smoke_run_reports_transports_and_baselines(tmp_path: Path) -> None:
     assert "| 1 KiB |" in report and "| 64 KiB |" in report
     assert "µs" in report and ("GB/s" in report or "MB/s" in report)
 
-    r = json.loads(out_json.read_text())
     b = r["baselines"]
     assert _positive(b["pipe"]["1024"]["one_way_p50_us"])
     for size in SIZES:

@@ -3,7 +3,6 @@ no process behind."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -12,21 +11,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks._run import ROOT, run_benchmark
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the probes need two CPUs")
 def test_short_run_reports_every_probe(tmp_path: Path) -> None:
-    out = tmp_path / "vcpu.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/vcpu_share.py", "--rounds", "10", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc, r = run_benchmark(
+        "vcpu_share.py", "--rounds", "10", json_out=tmp_path / "vcpu.json", timeout=120
     )
-    assert proc.returncode == 0, proc.stderr
-    r = json.loads(out.read_text())
     assert [row["sender_idle_ms"] for row in r["free"]] == [0.0, 1.0, 2.0, 3.0, 5.0]
     for row in [*r["free"], r["pinned_apart"]]:
         assert 0.0 <= row["same_cpu_share"] <= 1.0
