@@ -437,7 +437,8 @@ class CudaIpcSender(AsyncResource):
         return len(self._held), self._held_bytes
 
     def statistics(self) -> TransportStatistics:
-        """Chunks and bytes sent, split into device payloads and host-only ones."""
+        """Chunks and bytes sent, split into device payloads and host-only ones, and the
+        payloads held now (released ones are let go first)."""
         return TransportStatistics(
             "cuda_ipc",
             self.chunks,
@@ -447,6 +448,7 @@ class CudaIpcSender(AsyncResource):
             latency_p50_us=self._latency.percentile(50),
             latency_p99_us=self._latency.percentile(99),
             by_transport=chunks_by_transport(self.device_chunks, self.chunks, self._host_name),
+            held=self.held[0],
         )
 
     async def aclose(self) -> None:

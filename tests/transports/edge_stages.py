@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import numpy as np
+import torch
 from pydantic import BaseModel
 
 from pipeline import Context, Stage, Stream
@@ -70,3 +71,43 @@ class Verify(Stage):
                 # The point is a slow consumer: it holds the stream open while chunks queue.
                 await asyncio.sleep(self.params.delay)
         return Text(f"{seen}:{total}")
+
+
+class TensorPiece(msgspec.Struct):
+    """One chunk of a stream: its position and a patterned tensor."""
+
+    seq: int
+    data: torch.Tensor
+
+
+class TensorFlood(Stage):
+    """Streams ``count`` patterned tensors of ``size`` bytes on ``device``."""
+
+    class Params(BaseModel):
+        count: int = 4
+        size: int = 1024 * 1024
+        device: str = "cuda"
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[TensorPiece]:
+        p = self.params
+        assert isinstance(p, TensorFlood.Params)
+        for seq in range(p.count):
+            data = torch.full((p.size,), pattern(seq), dtype=torch.uint8, device=p.device)
+            yield TensorPiece(seq, data)
+
+
+class TensorDrain(Stage):
+    """Takes tensor pieces in order, sleeping ``delay`` seconds after each, holding it."""
+
+    class Params(BaseModel):
+        delay: float = 60.0
+
+    async def process(self, pieces: Stream[TensorPiece], ctx: Context) -> Text:
+        assert isinstance(self.params, TensorDrain.Params)
+        seen = 0
+        async for piece in pieces:
+            if piece.seq != seen or int(piece.data[0]) != pattern(seen):
+                raise AssertionError(f"expected piece {seen}, got {piece.seq}")
+            seen += 1
+            await asyncio.sleep(self.params.delay)
+        return Text(str(seen))

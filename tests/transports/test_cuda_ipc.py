@@ -17,6 +17,7 @@ import asyncio
 import gc
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -28,13 +29,14 @@ import pytest_asyncio
 import torch
 
 import transports._cuda_release_table as release_table
-from pipeline import ConfigError, TransportError
+from pipeline import ConfigError, Pipeline, PipelineSpec, StageUnavailable, TransportError
 from pipeline._codec import codec_for
 from pipeline._encoded import Encoded
 from pipeline._errors import TransportFull
 from pipeline._host import host_identity
 from pipeline._keys import ChunkKey
 from pipeline.testing import TransportConformance
+from stages.text import Text
 from tests.pipeline.conftest import wait_for
 from tests.transports.cuda_ipc_peer import Peer, Tensors, descriptor_line, fingerprint
 from transports import EdgeContext, Transport, create_transport
@@ -450,6 +452,68 @@ def test_wrapped_memory_failure_still_calls_back(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(RuntimeError, match="refused"):
         wrap_memory(source.data_ptr(), 16, None, keepalive=source, on_free=lambda: freed.append(1))
     assert freed == [1] and live_wrappers() == before
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")],
+        ),
+    ],
+)
+async def test_payloads_held_for_a_killed_consumer_are_taken_back(device: str) -> None:
+    """A consumer killed -9 while holding one payload and sent three it never opened leaves
+    the producer's cuda_ipc end holding nothing once the master declares it dead: device
+    buffers on a GPU, the shm host part on the CPU."""
+    stages = "tests.transports.edge_stages"
+    spec = PipelineSpec.from_dict(
+        {
+            "name": "device-kill",
+            "defaults": {"heartbeat_interval": "200ms", "heartbeat_timeout": "2s"},
+            "stages": {
+                "flood": {
+                    "impl": f"{stages}:TensorFlood",
+                    "params": {"count": 4, "device": device},
+                },
+                # One handler, asleep holding its first piece: the other three wait unread.
+                "drain": {
+                    "impl": f"{stages}:TensorDrain",
+                    "params": {"delay": 60},
+                    "max_concurrency": 1,
+                },
+            },
+            "edges": [{"from": "flood", "to": "drain", "transport": "cuda_ipc"}],
+        }
+    )
+
+    async def counters() -> dict[str, int]:
+        stats = await pipe.statistics()
+        flood = next(r for r in stats["replicas"] if r["stage"] == "flood")
+        return flood["outputs"][0]["transports"]["cuda_ipc"]  # type: ignore[no-any-return]
+
+    async with Pipeline(spec) as pipe:
+        task = asyncio.ensure_future(pipe.submit(Text("go")))
+        seen: dict[str, int] = {}
+
+        async def all_put() -> bool:
+            seen.update(await counters())
+            return seen["chunks"] == 4
+
+        await wait_for(all_put, timeout=30)
+        # The three never opened are held; so is the first on a GPU, where the consumer's
+        # tensor is the producer's memory (on the CPU its bytes were copied out of shm).
+        assert seen["held"] >= 3, seen
+        os.kill(pipe.worker_pids[("drain", 0)], signal.SIGKILL)
+        with pytest.raises(StageUnavailable):
+            await task
+
+        async def taken_back() -> bool:
+            return (await counters())["held"] == 0
+
+        await wait_for(taken_back, timeout=30)
 
 
 # ---- CUDA tensors: gpu-marked, skipped without a device -----------------------------------
