@@ -6,6 +6,8 @@ worker process per stage replica, through the same entry point as ``stagewire wo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
@@ -50,7 +52,19 @@ class ResponseStream:
         self._pipe = pipe
         self._inputs = inputs
         self._req: ClientRequest | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
+
+    def __del__(self) -> None:
+        # Dropped unfinished (a ``break`` out of ``async for``, or never read to the end):
+        # nothing else would end the request, which holds a slot and state in every stage.
+        if self._done or self._req is None or self._loop is None:
+            return
+        master = self._pipe._master
+        if master is None or self._loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            self._loop.call_soon_threadsafe(master.orch.abandon, self._req.request_id)
 
     @property
     def request_id(self) -> str | None:
@@ -65,6 +79,7 @@ class ResponseStream:
             StageUnavailable: a stage has no ready replica.
         """
         if self._req is None:
+            self._loop = asyncio.get_running_loop()
             self._req = await self._pipe._master_or_fail().orch.start(self._inputs)
         return self._req.request_id
 

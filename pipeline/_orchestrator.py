@@ -215,11 +215,13 @@ class Orchestrator:
                 # One sink: read it directly, with no task per chunk.
                 (sink,) = open_sinks
                 try:
-                    return sink, await self._from_sinks[sink].next(req.inflows[sink])
+                    value = await self._from_sinks[sink].next(req.inflows[sink])
                 except EndOfChannel:
                     continue
                 except PipelineError as exc:
                     raise (req.error or exc) from None
+                self._complete_if_read(req)
+                return sink, value
             for sink in open_sinks:
                 if sink not in req.pending:
                     req.pending[sink] = asyncio.ensure_future(
@@ -236,11 +238,27 @@ class Orchestrator:
                 if task.cancelled():
                     raise req.error or RequestAborted(req.request_id, "cancelled")
                 try:
-                    return sink, task.result()
+                    value = task.result()
                 except EndOfChannel:
                     continue
                 except PipelineError as exc:
                     raise (req.error or exc) from None
+                self._complete_if_read(req)
+                return sink, value
+
+    def _complete_if_read(self, req: ClientRequest) -> None:
+        """Complete ``req`` once the client holds every sink's final chunk.
+
+        At once, not on the client's next read: a client that stops reading after the last
+        output (a ``break`` on the final chunk) must not keep the request's slot and its
+        state in every stage.
+        """
+        if not req.pending and all(f.buffer.finished for f in req.inflows.values()):
+            self.complete(req.request_id)
+
+    def abandon(self, rid: str) -> None:
+        """The client dropped ``rid``'s output stream unfinished: abort it, if still running."""
+        self.abort(rid, "abandoned by the client (its output stream was dropped unfinished)")
 
     # ---- endings -------------------------------------------------------------------------
 

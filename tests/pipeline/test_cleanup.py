@@ -81,3 +81,34 @@ async def test_admission_is_bounded_by_max_inflight(max_inflight: int) -> None:
         outs = await asyncio.gather(*(pipe.submit(Text("sleep 0.05")) for _ in range(16)))
         assert all(o == Text("sleep 0.05") for o in outs)
         assert (await pipe.statistics())["client"]["peak_active"] == max_inflight
+
+
+async def test_a_client_that_stops_reading_after_the_last_output_frees_the_request() -> None:
+    """Leaving ``async for`` on the final output completes the request at once: its
+    admission slot comes back although the stream was never read to its end."""
+    s = spec({"echo": ":Echo"}, [], max_inflight=2)
+    async with Pipeline(s) as pipe:
+        streams = [pipe.stream(Text(f"hi {i}")) for i in range(2)]
+        for i, stream in enumerate(streams):  # kept alive: no finalizer can help
+            async for chunk in stream:
+                assert chunk == Text(f"hi {i}")
+                break
+        client = (await pipe.statistics())["client"]
+        assert (client["completed"], client["active"]) == (2, 0), client
+        async with asyncio.timeout(10):
+            assert await pipe.submit(Text("third")) == Text("third")
+
+
+async def test_a_stream_dropped_unfinished_aborts_its_request() -> None:
+    """A ``break`` out of a stream still producing aborts the request in every stage once
+    the stream object is gone, as ``aclose()`` would."""
+    s = spec({"tokens": ":Tokens"}, [], max_inflight=1)
+    async with Pipeline(s) as pipe:
+        async for token in pipe.stream(Text("a stall never ends")):
+            assert token.value == "a"
+            break
+        await wait_for(lambda: settled(pipe))
+        assert (await pipe.statistics())["client"]["aborted"] == 1
+        async with asyncio.timeout(10):
+            out = [t.value async for t in pipe.stream(Text("b c"))]
+        assert out == ["b", "c"]
