@@ -250,7 +250,11 @@ class StageActor:
             req.ctx.cancel()
         if req.task is not None and not req.task.done():
             req.task.cancel()
-        for inflow in req.inflows.values():
+        for edge, inflow in req.inflows.items():
+            if exc is None and not inflow.buffer.finished:
+                # The handler returned before its input's end: its producer must not wait
+                # for credit that will never come.
+                self._inputs_by_edge[edge][1].stop_reading(request_id, inflow.sender)
             inflow.end(exc)
         for out in self._outputs.values():
             out.forget(request_id, str(exc) if exc else None)
@@ -311,6 +315,9 @@ class StageActor:
             self.counts["late"] += len(items)
             for item in items:
                 channel.discard(item)
+            if not run.final:
+                # Sent before the producer heard that nothing more is read: say it again.
+                channel.stop_reading(rid, run.sender)
             return
         if (
             rid not in self._requests

@@ -104,6 +104,7 @@ def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
     """Offer a run's items to the inflow's buffer under their seqs; how many it refused."""
     buffer = inflow.buffer
     seq = run.first
+    inflow.sender = run.sender
     if run.credit:
         # The producer waits for credit once this run's last chunk is taken.
         asked = seq + len(items)
@@ -123,11 +124,13 @@ def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
 class Inflow:
     """One request's position on one input edge: its reorder buffer and credit marks."""
 
-    __slots__ = ("asked", "buffer", "credit_due", "held", "taken")
+    __slots__ = ("asked", "buffer", "credit_due", "held", "sender", "taken")
 
     def __init__(self, buffer: ReorderBuffer[Item], credit_step: int) -> None:
         self.buffer = buffer
         self.taken = 0
+        #: Where the producer takes credit (known from its first run).
+        self.sender = ""
         #: Credit goes back once this many chunks are taken.
         self.credit_due = credit_step
         #: The producer waits for credit once this many are taken (its byte window is full).
@@ -201,10 +204,12 @@ class _Run:
 
 
 class _Window:
-    __slots__ = ("acked", "allowed", "in_flight", "next_seq", "run", "sizes", "waiter")
+    __slots__ = ("acked", "allowed", "done", "in_flight", "next_seq", "run", "sizes", "waiter")
 
     def __init__(self, window: int) -> None:
         self.next_seq = 0
+        #: The consumer read all it will of this request: later chunks are dropped here.
+        self.done = False
         self.allowed = window
         #: Chunks below this were taken by the consumer (its latest credit).
         self.acked = 0
@@ -273,6 +278,8 @@ class OutputChannel:
         self.chunks = 0
         self.bytes = 0
         self.fallbacks = 0
+        #: Chunks dropped here because their consumer had stopped reading the stream.
+        self.unread = 0
         self._used = dict.fromkeys(edge.names, 0)
 
     def _window(self, request_id: str) -> _Window:
@@ -299,6 +306,9 @@ class OutputChannel:
         win = self._windows.get(request_id)
         if win is None:
             win = self._window(request_id)
+        if win.done:
+            self.unread += 1
+            return True
         seq = win.next_seq
         if seq >= win.allowed:
             return False
@@ -339,12 +349,15 @@ class OutputChannel:
         win = self._window(request_id)
         # A chunk without payload holds no bytes: only the chunk window applies to it.
         cap = self._window_bytes if encoded is not None else 1 << 62
-        while win.next_seq >= win.allowed or win.in_flight >= cap:
+        while not win.done and (win.next_seq >= win.allowed or win.in_flight >= cap):
             win.waiter = asyncio.get_running_loop().create_future()
             try:
                 await win.waiter
             finally:
                 win.waiter = None
+        if win.done:
+            self.unread += 1
+            return
         seq = win.next_seq
         win.next_seq += 1
         if encoded is None:
@@ -425,7 +438,15 @@ class OutputChannel:
     def on_credit(self, credit: Credit) -> None:
         """Apply credit from the consumer: chunks below ``upto`` were taken."""
         win = self._windows.get(credit.request_id)
-        if win is None or credit.upto <= win.acked:
+        if win is None:
+            return
+        if credit.done:
+            # The consumer stopped reading: nothing more goes, and no send waits for credit.
+            win.done = True
+            if win.waiter is not None and not win.waiter.done():
+                win.waiter.set_result(None)
+            return
+        if credit.upto <= win.acked:
             return
         # Never past what was queued: a chunk whose put is still under way has a seq but no
         # size yet, and a forged credit may claim anything.
@@ -476,6 +497,7 @@ class OutputChannel:
             "chunks": self.chunks,
             "bytes": self.bytes,
             "fallbacks": self.fallbacks,
+            "unread": self.unread,
             "transport": self._transports.kind,
             "used": self.used,
             "transports": {
@@ -646,6 +668,13 @@ class InputChannel:
         due = taken + self._credit_step
         # A credit the producer asked for further on still goes when that chunk is taken.
         inflow.credit_due = inflow.asked if taken < inflow.asked < due else due
+
+    def stop_reading(self, request_id: str, sender: str) -> None:
+        """Tell the producer at ``sender`` that ``request_id``'s handler here has finished
+        without reading this edge to its end: it sends nothing more, and waits for no
+        credit (it would wait forever, and hold up its other outputs meanwhile)."""
+        if sender:
+            self._send(sender, encode_message(Credit(request_id, self.plan.name, 0, True)))
 
     async def fetch(self, item: Item) -> Any:
         """Materialise and decode an item's payload, then release the transport's hold.

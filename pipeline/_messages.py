@@ -95,11 +95,16 @@ NO_DESCRIPTOR = msgspec.Raw(b"\xc0")
 
 
 class Credit(_Msg, frozen=True, tag="k"):
-    """The consumer has taken chunks ``0 .. upto-1`` of (request, edge): more may be sent."""
+    """The consumer has taken chunks ``0 .. upto-1`` of (request, edge): more may be sent.
+
+    ``done``: the consumer's handler finished without reading the stream to its end; it
+    will read nothing more of this request on this edge, so send nothing more.
+    """
 
     request_id: str
     edge: str
     upto: int
+    done: bool = False
 
 
 #: Encodes one message of this module (any of them) to msgpack.

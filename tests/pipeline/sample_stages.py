@@ -79,6 +79,42 @@ class Collect(Stage):
         return Text(" ".join(words))
 
 
+class First(Stage):
+    """Returns the first token of its stream, leaving the rest unread."""
+
+    async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
+        async for token in tokens:
+            return Text(token.value)
+        return Text("")
+
+
+class Count(Stage):
+    """Counts the tokens of its stream."""
+
+    async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
+        n = 0
+        async for _ in tokens:
+            n += 1
+        return Text(str(n))
+
+
+class Branches(Outputs):
+    """A token for one of two downstream stages."""
+
+    first: Token | None = None
+    count: Token | None = None
+
+
+class ToFirstThenCount(Stage):
+    """Streams ``int(text)`` tokens to 'first', then one token to 'count'."""
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Branches]:
+        n = int(text.value)
+        for i in range(n):
+            yield Branches(first=Token(i, f"t{i}"))
+        yield Branches(count=Token(n, "last"))
+
+
 class Blob(msgspec.Struct):
     """A large opaque payload."""
 

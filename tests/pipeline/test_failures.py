@@ -136,3 +136,34 @@ async def test_abort_by_request_id(chain: Pipeline) -> None:
         with pytest.raises(RequestAborted):
             await anext(stream)
     await wait_for(lambda: settled(chain))
+
+
+@pytest.mark.parametrize(
+    ("source", "words"),
+    [(":Tokens", " ".join(f"w{i}" for i in range(50))), (":ToFirstThenCount", "50")],
+    ids=["fan-out", "per-destination"],
+)
+async def test_a_handler_that_stops_reading_early_holds_up_no_producer(
+    source: str, words: str
+) -> None:
+    """A stage that returns after the first chunk of a long stream tells its producer to
+    send no more: the producer's other output still gets all it sends, with no chunk
+    timeout and no hang, and what went unread is counted. (A producer used to wait for
+    that stage's credit for good, starving its other output.)"""
+    s = spec(
+        {"src": source, "first": ":First", "count": ":Count"},
+        [("src", "first"), ("src", "count")],
+        window=4,
+        chunk_timeout="30s",
+    )
+    async with Pipeline(s) as pipe:
+        for _ in range(3):
+            async with asyncio.timeout(20):
+                out = await pipe.submit(Text(words))
+            first = "w0" if source == ":Tokens" else "t0"
+            assert out == {"first": Text(first), "count": Text("50" if first == "w0" else "1")}
+        await wait_for(lambda: settled(pipe))
+        stats = await pipe.statistics()
+        src = next(r for r in stats["replicas"] if r["stage"] == "src")
+        to_first = next(o for o in src["outputs"] if o["edge"] == "src->first")
+        assert to_first["unread"] > 0, to_first
