@@ -60,6 +60,15 @@ FINISHED_MEMORY = 65536
 EAGER_SEND_S = 100e-6
 
 
+def _own_cancel(stage: str) -> RuntimeError:
+    """The error for a handler whose own await raised CancelledError."""
+    return RuntimeError(
+        f"stage {stage!r}: something the handler awaited was cancelled (CancelledError), "
+        "though the request was not; cancel helper tasks only when the handler no longer "
+        "awaits them"
+    )
+
+
 class _Pacer:
     """Sends a compute-bound handler's chunks as they come, not when its loop turn ends.
 
@@ -400,13 +409,15 @@ class StageActor:
                         kwargs[param] = await self._single(req, edge)
                 await self._produce(req, ctx, kwargs)
             except asyncio.CancelledError:
-                raise
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # this request was cancelled: aborted, or the replica is closing
+                # Something the handler awaited was cancelled, not the request. Unreported,
+                # the request would never end.
+                self._handler_failed(req, _own_cancel(self.stage))
+                return
             except Exception as exc:
-                self.counts["failed"] += 1
-                if rid in self._requests:
-                    self._report_failure(error_to_failure(exc, stage=self.stage, request_id=rid))
-                    req.task = None  # ending anyway: forget() must not cancel it
-                    self.forget(rid, exc)
+                self._handler_failed(req, exc)
                 return
             self.counts["completed"] += 1
             self.latency.add((time.perf_counter() - t0) * 1e6)
@@ -416,6 +427,15 @@ class StageActor:
             if self._requests.get(rid) is req:
                 req.task = None
                 self.forget(rid)
+
+    def _handler_failed(self, req: _Request, exc: Exception) -> None:
+        """Fail the request at the client (a StageError) and forget it here."""
+        self.counts["failed"] += 1
+        rid = req.request_id
+        if rid in self._requests:
+            self._report_failure(error_to_failure(exc, stage=self.stage, request_id=rid))
+            req.task = None  # ending anyway: forget() must not cancel it
+            self.forget(rid, exc)
 
     async def _produce(self, req: _Request, ctx: Context, kwargs: dict[str, Any]) -> None:
         if self._batcher is not None:

@@ -13,6 +13,11 @@ from pipeline._stage import Context, Stage
 
 __all__ = ("Batcher",)
 
+_OWN_CANCEL = (
+    "something process_batch awaited was cancelled (CancelledError), though the batch was "
+    "not; cancel helper tasks only when the handler no longer awaits them"
+)
+
 
 class Batcher:
     """Collects single inputs from concurrent requests and runs them as batches."""
@@ -32,7 +37,7 @@ class Batcher:
         Raises:
             Exception: whatever ``process_batch`` raised for the batch holding this input.
         """
-        if self._task is None:
+        if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop())
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((value, ctx, fut))
@@ -68,14 +73,26 @@ class Batcher:
                     raise ValueError(
                         f"process_batch returned {len(results)} outputs for {len(batch)} inputs"
                     )
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # the batcher is closing, and the replica cancels its requests
+                # Something process_batch awaited was cancelled, not the batcher: only this
+                # batch fails, the next one runs.
+                self._fail(batch, RuntimeError(_OWN_CANCEL))
+                continue
             except Exception as exc:
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
+                self._fail(batch, exc)
                 continue
             for (_, _, fut), result in zip(batch, results, strict=True):
                 if not fut.done():
                     fut.set_result(result)
+
+    @staticmethod
+    def _fail(batch: list[tuple[Any, Context, asyncio.Future[Any]]], exc: Exception) -> None:
+        for _, _, fut in batch:
+            if not fut.done():
+                fut.set_exception(exc)
 
     async def aclose(self) -> None:
         """Stop batching; idempotent."""

@@ -115,6 +115,27 @@ class ToFirstThenCount(Stage):
         yield Branches(count=Token(n, "last"))
 
 
+async def _await_a_cancelled_helper() -> None:
+    """Await a helper task that something else cancels: CancelledError, request or not."""
+    helper = asyncio.ensure_future(asyncio.sleep(10))
+    asyncio.get_running_loop().call_later(0.01, helper.cancel)
+    await helper
+
+
+class CancelledInside(Stage):
+    """Echoes, but on 'cancel' awaits a helper task that gets cancelled; batches if asked."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        if text.value == "cancel":
+            await _await_a_cancelled_helper()
+        return text
+
+    async def process_batch(self, texts: list[Text], ctxs: list[Context]) -> list[Text]:
+        if any(t.value == "cancel" for t in texts):
+            await _await_a_cancelled_helper()
+        return list(texts)
+
+
 class Blob(msgspec.Struct):
     """A large opaque payload."""
 

@@ -167,3 +167,22 @@ async def test_a_handler_that_stops_reading_early_holds_up_no_producer(
         src = next(r for r in stats["replicas"] if r["stage"] == "src")
         to_first = next(o for o in src["outputs"] if o["edge"] == "src->first")
         assert to_first["unread"] > 0, to_first
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["process", "process_batch"])
+async def test_a_cancelled_await_inside_a_handler_fails_only_that_request(batched: bool) -> None:
+    """A CancelledError from something the handler awaited (not an abort of the request)
+    fails that request with a StageError saying so; the requests after it still run. (It
+    used to end the handler silently, leaving the request pending for good, and a batched
+    replica's batching loop dead.)"""
+    stage: dict[str, object] = {"impl": ":CancelledInside"}
+    if batched:
+        stage |= {"max_batch_size": 4, "max_wait_ms": 5}
+    async with Pipeline(spec({"s": stage}, [])) as pipe:
+        async with asyncio.timeout(20):
+            assert await pipe.submit(Text("ok")) == Text("ok")
+            with pytest.raises(StageError, match="was cancelled"):
+                await pipe.submit(Text("cancel"))
+            outs = await asyncio.gather(*(pipe.submit(Text(f"ok {i}")) for i in range(8)))
+        assert outs == [Text(f"ok {i}") for i in range(8)]
+        await wait_for(lambda: settled(pipe))
