@@ -94,6 +94,7 @@ class Orchestrator:
         defaults = plan.spec.defaults
         self._timeout = defaults.request_timeout
         self._slots = asyncio.Semaphore(defaults.max_inflight)
+        self._closing = False
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}{os.urandom(3).hex()}"
         self._rr = itertools.count()
@@ -152,6 +153,10 @@ class Orchestrator:
                 )
             encoded[src] = codec_for(tp).encode(value)
         await self._slots.acquire()
+        if self._closing:
+            # Waited for a slot while the pipeline closed: the slot freed is a closing one.
+            self._slots.release()
+            raise RequestAborted("(not admitted)", "pipeline closing")
         try:
             chosen = {stage: self._choose(stage) for stage in self.plan.stages}
         except StageUnavailable:
@@ -398,6 +403,7 @@ class Orchestrator:
 
     async def aclose(self) -> None:
         """Abort every request and close every channel; idempotent."""
+        self._closing = True
         for rid in list(self.requests):
             self.abort(rid, "pipeline closing")
         self.send_drops()

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pipeline import Pipeline, PipelineError
+from pipeline import Pipeline, PipelineError, RequestAborted
 from stages.text import Text
 from tests.pipeline.conftest import settled, spec, wait_for
 
@@ -112,3 +112,20 @@ async def test_a_stream_dropped_unfinished_aborts_its_request() -> None:
         async with asyncio.timeout(10):
             out = [t.value async for t in pipe.stream(Text("b c"))]
         assert out == ["b", "c"]
+
+
+async def test_requests_waiting_for_admission_when_the_pipeline_closes_are_aborted() -> None:
+    """Requests still waiting for an admission slot when the pipeline closes end with
+    RequestAborted ("pipeline closing"), like the admitted ones, not with an error about
+    a closed channel."""
+    s = spec({"echo": ":Echo"}, [], max_inflight=1)
+    async with Pipeline(s) as pipe:
+        running = asyncio.ensure_future(pipe.submit(Text("sleep 10")))
+        await asyncio.sleep(0.2)
+        waiting = [asyncio.ensure_future(pipe.submit(Text(f"w{i}"))) for i in range(3)]
+        await asyncio.sleep(0.2)
+    done, pending = await asyncio.wait([running, *waiting], timeout=10)
+    assert not pending
+    for task in done:
+        exc = task.exception()
+        assert isinstance(exc, RequestAborted) and "pipeline closing" in str(exc), repr(exc)
