@@ -124,7 +124,7 @@ def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
 class Inflow:
     """One request's position on one input edge: its reorder buffer and credit marks."""
 
-    __slots__ = ("asked", "buffer", "credit_due", "held", "sender", "taken")
+    __slots__ = ("asked", "buffer", "credit_due", "fetching", "held", "sender", "taken")
 
     def __init__(self, buffer: ReorderBuffer[Item], credit_step: int) -> None:
         self.buffer = buffer
@@ -137,6 +137,9 @@ class Inflow:
         self.asked = 0
         #: The next chunk, taken from the buffer by ``poll`` but left for ``next`` to fetch.
         self.held: tuple[Item, bool] | None = None
+        #: The next chunk's fetch, still running after the read that started it was
+        #: cancelled (a handler's own timeout): the next read takes its payload.
+        self.fetching: tuple[asyncio.Task[Any], Item, bool] | None = None
 
     def end(self, exc: BaseException | None = None) -> None:
         """Release everything held: fail a waiting reader with ``exc``, or end its stream.
@@ -145,6 +148,10 @@ class Inflow:
             Exception: the first error releasing an item raised, once all were released.
         """
         held, self.held = self.held, None
+        fetching, self.fetching = self.fetching, None
+        if fetching is not None:
+            # Cancelled, the fetch releases its payload; a finished one already did.
+            fetching[0].cancel()
         if exc is not None:
             self.buffer.abort(exc)
         else:
@@ -604,6 +611,8 @@ class InputChannel:
         It needs none when its chunk is buffered and carried inline: a busy stream of small
         chunks is read this way without a coroutine. It raises what :meth:`next` raises.
         """
+        if inflow.fetching is not None:
+            return NOT_READY  # a chunk before the buffered ones is still being fetched
         got = inflow.buffer.get_nowait()
         if got is None:
             return NOT_READY
@@ -630,6 +639,8 @@ class InputChannel:
             TransportError: the payload could not be fetched.
             RequestAborted: the request was aborted.
         """
+        if inflow.fetching is not None:
+            return await self._fetched(inflow)
         got = inflow.held
         if got is not None:
             inflow.held = None
@@ -639,12 +650,32 @@ class InputChannel:
                 got = await inflow.buffer.get()
         item, final = got
         if item[1] is not None and (item[0] != "inline" or self._inline is None):
-            value = await self.fetch(item)
-            inflow.taken += 1
-            if not final and inflow.taken >= inflow.credit_due:
-                self._credit(inflow, item[2])
-            return value
+            inflow.fetching = (asyncio.ensure_future(self.fetch(item)), item, final)
+            return await self._fetched(inflow)
         return self._deliver(inflow, item, final)
+
+    async def _fetched(self, inflow: Inflow) -> Any:
+        """The payload of the fetch under way, returning credit.
+
+        A read cancelled meanwhile (a handler reading with its own timeout) leaves the
+        fetch running and in place, so the next read returns that chunk: none is lost.
+        """
+        assert inflow.fetching is not None
+        task, item, final = inflow.fetching
+        try:
+            value = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # the fetch itself, by Inflow.end: the request ended
+                inflow.fetching = None
+            raise
+        except BaseException:
+            inflow.fetching = None
+            raise
+        inflow.fetching = None
+        inflow.taken += 1
+        if not final and inflow.taken >= inflow.credit_due:
+            self._credit(inflow, item[2])
+        return value
 
     def _deliver(self, inflow: Inflow, item: Item, final: bool) -> Any:
         """An inline item's payload (or the end of the stream), returning credit."""

@@ -141,12 +141,22 @@ class ReorderBuffer(Generic[T]):
         return self._waiter is not None
 
     def offer(self, seq: int, item: T, final: bool) -> bool:
-        """File chunk ``seq``; False (and ``on_discard(item)``) when it is refused."""
+        """File chunk ``seq``; False (and ``on_discard(item)``) when it is refused.
+
+        A repeat of a chunk still buffered that carries an equal item (the same envelope
+        delivered twice) is refused without ``on_discard``: the item names what the
+        buffered one does, so releasing it would free the original's payload before it is
+        read. The original's own release covers both.
+        """
         if self._closed:
             self._late += 1
         elif seq < 0:
             self._invalid += 1
-        elif seq < self._expected or seq in self._chunks:
+        elif seq in self._chunks:
+            self._duplicates += 1
+            if self._chunks[seq][0] == item:
+                return False
+        elif seq < self._expected:
             self._duplicates += 1
         elif (self._final_seq is not None and seq > self._final_seq) or (
             # A final claim below a seq already held contradicts that chunk, so it is refused.

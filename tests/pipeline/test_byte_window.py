@@ -8,6 +8,7 @@ after many small ones, a credit ahead of a put still under way, a forged credit.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import pytest
@@ -17,18 +18,18 @@ from pipeline._channel import InputChannel, OutputChannel, SendTarget, file_run
 from pipeline._errors import EndOfChannel
 from pipeline._messages import Chunks, Credit, decode_batch, encode_batch
 from pipeline._signature import EdgePlan, build_plan
-from pipeline._stage import NOT_READY
+from pipeline._stage import NOT_READY, Stream
 from tests.pipeline.conftest import spec
 from tests.pipeline.sample_stages import Blob
 
 
-def _plan(window: int, window_bytes: int) -> EdgePlan:
+def _plan(window: int, window_bytes: int, transport: str = "inline") -> EdgePlan:
     s = spec(
         {"flood": ":Flood", "drain": ":Drain"},
         [("flood", "drain")],
         window=window,
         window_bytes=window_bytes,
-        transport="inline",
+        transport=transport,
     )
     return build_plan(s).stages["flood"].outputs["drain"]
 
@@ -142,3 +143,48 @@ async def test_a_credit_during_a_put_counts_only_queued_chunks() -> None:
         assert (win.acked, len(win.sizes), win.in_flight) == (1, 0, 0)
     finally:
         await out.aclose()
+
+
+async def test_a_read_cancelled_while_its_payload_is_fetched_loses_nothing() -> None:
+    """A handler reading with its own timeout may be cancelled while a payload is fetched
+    from a transport: the next read returns that very chunk, and the rest follow in order.
+    (The chunk used to be dropped, and the stream went on with the one after it.)"""
+    wire = _Wire(_plan(8, 1 << 20, transport="shm"))
+    try:
+        await wire.produce([100, 100, 100])
+        wire.deliver()
+        stream = Stream(
+            functools.partial(wire.inp.next, wire.inflow),
+            functools.partial(wire.inp.poll, wire.inflow),
+        )
+        reading = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        assert not reading.done()  # suspended in chunk 0's fetch (shm attaches in a thread)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        assert [blob.seq async for blob in stream] == [0, 1, 2]
+    finally:
+        await wire.out.aclose()
+        await wire.inp.aclose()
+
+
+async def test_an_envelope_delivered_twice_leaves_the_original_readable() -> None:
+    """A run that arrives a second time while its chunks wait unread is refused, and the
+    payloads the chunks name stay theirs: each chunk still reads whole, once, in order."""
+    wire = _Wire(_plan(16, 1 << 30, transport="shm"))
+    try:
+        await wire.produce([1000, 1000, 1000])
+        frames = [encode_batch([run.seal()]) for run in wire.runs]
+        wire.runs.clear()
+        for _ in range(2):
+            for frame in frames:
+                for run in decode_batch(frame):
+                    assert isinstance(run, Chunks)
+                    file_run(wire.inflow, run, wire.inp.admit(run))
+        await asyncio.sleep(0.05)  # any release the repeat started has run
+        assert wire.inflow.buffer.duplicates == 4  # three chunks and the end, again
+        assert [(await wire.inp.next(wire.inflow)).seq for _ in range(3)] == [0, 1, 2]
+    finally:
+        await wire.out.aclose()
+        await wire.inp.aclose()

@@ -309,3 +309,18 @@ def test_non_positive_timeout_is_rejected() -> None:
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="chunk_timeout"):
             ReorderBuffer[Item]("r1", "a->b", chunk_timeout=bad)
+
+
+def test_a_repeat_of_a_buffered_chunk_is_not_released() -> None:
+    """The same item offered again while the original waits is refused and counted, but not
+    discarded: releasing it would free the payload the original still names. A repeat
+    carrying a different item, or of a chunk already delivered, is discarded."""
+    buf, discarded = make()
+    assert buf.offer(1, (1, 0), False)
+    assert not buf.offer(1, (1, 0), False)  # the same envelope again
+    assert not buf.offer(1, (1, 1), False)  # a different item for the same seq
+    assert buf.offer(0, (0, 0), False)
+    assert buf.get_nowait() == ((0, 0), False)
+    assert not buf.offer(0, (0, 0), False)  # already delivered
+    assert buf.duplicates == 3
+    assert discarded == [(1, 1), (0, 0)]
