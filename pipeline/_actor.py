@@ -432,10 +432,16 @@ class StageActor:
         """Fail the request at the client (a StageError) and forget it here."""
         self.counts["failed"] += 1
         rid = req.request_id
-        if rid in self._requests:
+        if rid not in self._requests:
+            return
+        try:
             self._report_failure(error_to_failure(exc, stage=self.stage, request_id=rid))
-            req.task = None  # ending anyway: forget() must not cancel it
-            self.forget(rid, exc)
+        except Exception as report_exc:  # the control socket refused it (the master is gone?)
+            log.warning(
+                "failure_unreported", stage=self.stage, request_id=rid, error=repr(report_exc)
+            )
+        req.task = None  # ending anyway: forget() must not cancel it
+        self.forget(rid, exc)
 
     async def _produce(self, req: _Request, ctx: Context, kwargs: dict[str, Any]) -> None:
         if self._batcher is not None:

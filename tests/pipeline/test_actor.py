@@ -1,0 +1,61 @@
+"""One stage actor driven in this process: its own failure paths, where a pipeline of
+real processes cannot reach them on demand."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pipeline._actor import StageActor
+from pipeline._channel import OutputChannel, SendTarget
+from pipeline._messages import FailureInfo, encode_batch
+from pipeline._signature import build_plan
+from stages.text import Text
+from tests.pipeline.conftest import spec
+
+
+async def test_a_failure_the_master_cannot_be_told_of_still_ends_the_request_here() -> None:
+    """When reporting a handler's failure raises (the control socket is full: the master is
+    unreachable), the replica still forgets the request instead of holding it for good."""
+    plan = build_plan(spec({"echo": ":Echo"}, []))
+    stage = plan.stages["echo"]
+    reported: list[FailureInfo] = []
+
+    def report(info: FailureInfo) -> None:
+        reported.append(info)
+        raise OSError("the control socket is full")  # as zmq.Again would
+
+    sent: list[Any] = []
+    instance = stage.signature.cls(
+        params=stage.params, name="echo", replica=0, device=stage.spec.device
+    )
+    actor = StageActor(
+        stage,
+        instance,
+        replica=0,
+        host="h",
+        endpoint="inproc://echo",
+        send=lambda _endpoint, msg: sent.append(msg),
+        report_failure=report,
+    )
+    client = OutputChannel(
+        stage.inputs["text"],
+        host="h",
+        endpoint="inproc://client",
+        send=lambda _, run: sent.append(run),
+    )
+    try:
+        actor.admit("r1", {"echo": 0})
+        encoded = client.codec.encode(Text("boom"))
+        assert client.try_send("r1", encoded, True, SendTarget("inproc://echo", "h"))
+        (run,) = sent
+        actor.on_data([encode_batch([run.seal()])])
+        async with asyncio.timeout(5):
+            # The handler's task runs on the loop; nothing to wait on but its effect.
+            while actor.inflight:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        assert len(reported) == 1 and "boom" in str(reported[0])
+        assert actor.counts["failed"] == 1
+    finally:
+        await client.aclose()
+        await actor.aclose()
