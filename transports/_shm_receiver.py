@@ -289,15 +289,8 @@ class ShmReceiver(AsyncResource):
         if not isinstance(descriptor, ShmDescriptor) or descriptor.host != self._edge.host:
             return
         d = descriptor
-        table = self._table
-        with table.lock:
-            pin = table.pins.get((d.segment, d.slot, d.generation))
-            if pin is not None:
-                if not pin.released:
-                    pin.released = True
-                    if not pin.views:
-                        table.give_back(pin)
-                return
+        if self._release_pinned(d):
+            return
         if self._closed:
             return
         attachment = self._attachments.get(d.segment)
@@ -306,11 +299,28 @@ class ShmReceiver(AsyncResource):
                 attachment = await self._attach(d.segment)
             except TransportError:
                 return  # A segment that is gone has nothing left to free.
+            # A get of this very descriptor may have pinned it while the segment was
+            # being attached: its views are live, so it goes back only when they die.
+            if self._release_pinned(d):
+                return
         segment = attachment.segment
         if d.slot < segment.slots and not segment.closed:
             base = Segment.slot_base(d.slot)
             if segment.words[base + SLOT_GEN] == d.generation:
                 segment.words[base + SLOT_RELEASED] = d.generation
+
+    def _release_pinned(self, d: ShmDescriptor) -> bool:
+        """Release ``d`` through its pin, if a get made one; whether it had one."""
+        table = self._table
+        with table.lock:
+            pin = table.pins.get((d.segment, d.slot, d.generation))
+            if pin is None:
+                return False
+            if not pin.released:
+                pin.released = True
+                if not pin.views:
+                    table.give_back(pin)
+            return True
 
     def pinned(self) -> int:
         """Extents got and not yet given back (unreleased, or with views still alive)."""

@@ -438,6 +438,20 @@ async def test_release_without_get_frees_the_extent(ends: tuple[ShmSender, ShmRe
         await receiver.get(desc)
 
 
+async def test_release_racing_the_first_get_keeps_the_extent_while_read() -> None:
+    """A release that starts while the first get of a segment not yet mapped is under way
+    (a duplicate's release during the original's fetch) must not free the extent under the
+    get's live view: the next put lands elsewhere. It used to write RELEASED directly."""
+    async with _ends(capacity=8192) as (sender, receiver):
+        d = await sender.put(ChunkKey("r", EDGE, 0), Encoded(b"h", (b"A" * 4000,)), timeout=STEP)
+        got, _ = await asyncio.gather(receiver.get(d), receiver.release(d))
+        live = np.frombuffer(got.buffers[0], np.uint8)
+        assert receiver.pinned() == 1  # released, but pinned by the live view
+        await sender.put(ChunkKey("r", EDGE, 1), Encoded(b"h", (b"B" * 4000,)), timeout=STEP)
+        assert bytes(live[:4]) == b"AAAA"
+        del got, live
+
+
 async def test_exhaustion_fails_at_the_deadline(ends: tuple[ShmSender, ShmReceiver]) -> None:
     """A put into a full arena raises TransportFull at its deadline, naming the edge, the
     size, the capacity and what is held; it succeeds again after a release."""
