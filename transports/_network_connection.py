@@ -267,8 +267,9 @@ class Connection:
         if lost is not None:
             self._handler.connection_lost(self, lost)
 
-    def close(self) -> None:
-        """Stop watching and close the socket (linger 0: queued messages are dropped)."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Stop watching and close the socket; messages still queued get ``linger_ms``
+        milliseconds to leave (0: they are dropped)."""
         if self.sock.closed:
             return
         with contextlib.suppress(ValueError, OSError):
@@ -278,4 +279,4 @@ class Connection:
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
         self._monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)

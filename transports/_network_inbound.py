@@ -59,6 +59,7 @@ class Inbound:
         next: the index in ``plan`` of the frame due next.
         progress: when a frame of it last arrived (``time.monotonic``), for its deadline.
         refused: the producer refused it (unknown token, other sizes, sent already).
+        dropped: failing, it told the producer to drop the token.
         taken: ``get`` has returned it (or its error) once; a second ``get`` is stale.
     """
 
@@ -75,6 +76,8 @@ class Inbound:
     error: TransportError | None = None
     result: Encoded | None = None
     refused: bool = False
+    #: The producer was told to drop its token (when this fetch failed).
+    dropped: bool = False
     taken: bool = False
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
 

@@ -41,6 +41,8 @@ __all__ = ("NetworkReceiver",)
 #: Tokens released or fetched that a receiver remembers, to refuse them without asking the
 #: producer (which refuses them too, so forgetting the oldest only costs a round trip).
 _REMEMBER = 16_384
+#: How long a stalled connection closed by the sweeper keeps its queued drops, in ms.
+_DROP_LINGER_MS = 200
 
 _descriptor_decoder = msgspec.msgpack.Decoder(NetworkDescriptor)
 
@@ -167,6 +169,10 @@ class NetworkReceiver(AsyncResource):
             # The producer still holds whatever the token names (or never did): a forged
             # descriptor must not spoil the genuine one at this receiver.
             self._fetches.pop(desc.token, None)
+        elif inbound.error is not None and not inbound.dropped:
+            # Failed without a word to the producer (the connection was lost): it still
+            # holds the payload, so the release that follows must tell it, anew.
+            self._fetches.pop(desc.token, None)
         else:
             self._forget(desc.token)
         if inbound.error is not None:
@@ -252,6 +258,7 @@ class NetworkReceiver(AsyncResource):
         conn.fetches.pop(inbound.xid, None)
         if drop and not conn.sock.closed:
             conn.drop(inbound.desc.token)
+            inbound.dropped = True
         if count:
             self.errors += 1
         inbound.state = FAILED
@@ -305,7 +312,8 @@ class NetworkReceiver(AsyncResource):
                 # Everything asked of this producer went unanswered: reconnect next time
                 # rather than keep a socket retrying a dead endpoint.
                 conn.flush()
-                conn.close()
+                # A moment for the drops just queued to leave, should the producer be alive.
+                conn.close(linger_ms=_DROP_LINGER_MS)
                 del self._conns[lane]
             pending = pending or bool(conn.fetches)
         if pending:

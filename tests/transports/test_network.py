@@ -480,6 +480,55 @@ async def test_release_of_unfetched_payloads_frees_capacity() -> None:
             await rx.get(full)
 
 
+async def _resetting_proxy(port: int) -> asyncio.Server:
+    """A TCP proxy to ``port`` on loopback that resets its first connection (a link that
+    drops) and forwards the later ones."""
+    resets = [1]
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        except ConnectionError:
+            pass
+        finally:
+            w.close()
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        if resets[0]:
+            resets[0] -= 1
+            w.transport.abort()
+            return
+        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.gather(pipe(r, w2), pipe(r2, w), return_exceptions=True)
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def test_a_release_after_a_get_lost_with_its_connection_still_frees_the_payload() -> None:
+    """A get that fails because its connection dropped before the fetch reached the
+    producer told the producer nothing; the release that follows must, on a new
+    connection, or the producer holds the payload (and its capacity) for good."""
+    transport = NetworkTransport(capacity="3MiB", fetch_timeout=2)
+    async with transport.open_sender(_edge()) as sender, transport.open_receiver(_edge()) as rx:
+        desc = await sender.put(_key(), Encoded(b"h", (bytes(MiB),)), timeout=5)
+        proxy = await _resetting_proxy(int(sender.endpoint.rsplit(":", 1)[1]))
+        try:
+            port = proxy.sockets[0].getsockname()[1]
+            via = msgspec.structs.replace(desc, endpoint=f"tcp://127.0.0.1:{port}")
+            with pytest.raises(TransportError):
+                await _within(rx.get(via))
+            assert sender.held_bytes > MiB  # the payload and its header, still held
+            await rx.release(via)
+            async with asyncio.timeout(STEP):
+                # The drop travels to the producer's server: nothing local to wait on.
+                while sender.held_bytes:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+        finally:
+            proxy.close()
+
+
 async def test_oversized_payload_fails_at_once(ends: tuple[NetworkSender, NetworkReceiver]) -> None:
     """A payload larger than the whole capacity fails at once rather than at its deadline."""
     sender, _ = ends
