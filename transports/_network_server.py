@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,8 @@ __all__ = ("Server",)
 #: Control messages are small; anything larger is refused by ZMQ before it is allocated.
 _MAX_CONTROL = 16 * 2**20
 _WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+#: Abandoned receivers remembered for their late acks (the oldest are forgotten first).
+_OWED_MEMORY = 1024
 
 _log = structlog.get_logger("stagewire.transports.network")
 _control_decoder = msgspec.msgpack.Decoder(Control)
@@ -116,6 +118,10 @@ class Server:
         #: The transfer of each held payload that a receiver has fetched, by token.
         self._sending: dict[bytes, _Transfer] = {}
         self._peers: dict[bytes, _Peer] = {}
+        #: Abandoned receivers, by routing id, and how many of the messages sent to them
+        #: are still owed an ack. Their connection may live on: acks it sends late belong
+        #: to those messages, not to what a new fetch on it is sent.
+        self._owed: OrderedDict[bytes, int] = OrderedDict()
         self._ring: deque[_Transfer] = deque()
         self._stall_timer: asyncio.TimerHandle | None = None
         self._closed = False
@@ -170,8 +176,14 @@ class Server:
         ident, raw = frames
         control = _control_decoder.decode(raw)
         peer = self._peers.get(ident)
-        if control.ack and peer is not None:
-            self._acked(peer, control.ack)
+        ack = control.ack
+        if ack and ident in self._owed:
+            owed = self._owed.pop(ident)
+            if owed > ack:
+                self._owed[ident] = owed - ack
+            ack = max(0, ack - owed)
+        if ack and peer is not None:
+            self._acked(peer, ack)
         for token in control.drop:
             held = self.held.get(token)
             if held is not None:
@@ -319,6 +331,10 @@ class Server:
         self._peers.pop(peer.ident, None)
         self.errors += 1
         peer.gone = True
+        if peer.unacked:
+            self._owed[peer.ident] = self._owed.get(peer.ident, 0) + len(peer.unacked)
+            while len(self._owed) > _OWED_MEMORY:
+                self._owed.popitem(last=False)
         peer.unacked.clear()
         peer.inflight = 0
         for transfer in list(peer.transfers):

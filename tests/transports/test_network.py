@@ -529,6 +529,47 @@ async def test_a_release_after_a_get_lost_with_its_connection_still_frees_the_pa
             proxy.close()
 
 
+async def test_late_acks_of_an_abandoned_receiver_free_none_of_a_new_fetch() -> None:
+    """A receiver abandoned for not acknowledging (its loop was blocked) may fetch again on
+    the same connection and only then send its overdue acks. Those belong to what it was
+    sent before, so they must not hand the new transfer's blocks back to the pool while
+    ZMQ still sends them: a later put would reuse a block in flight and tear the payload."""
+    transport = NetworkTransport(
+        capacity="256MiB", fetch_timeout=0.3, segment_size="16MiB", window="64MiB"
+    )
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVHWM, 1)  # a slow link: the sender's frames wait in ZMQ
+    dealer.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        async with transport.open_sender(_edge()) as sender:
+            # Writable payloads, so each put copies into pooled blocks that can be reused.
+            first = await sender.put(_key(), Encoded(b"", (bytearray(b"\x01" * MiB),)), timeout=5)
+            dealer.connect(sender.endpoint)
+            await dealer.send(msgspec.msgpack.encode(Control([Fetch(0, first.token, first.sizes)])))
+            await asyncio.sleep(1.0)  # no ack for fetch_timeout: the sender abandons it
+            assert sender.statistics().errors >= 1
+            second = await sender.put(
+                _key(), Encoded(b"", (bytearray(b"\x02" * (16 * MiB)),)), timeout=5
+            )
+            await dealer.send(
+                msgspec.msgpack.encode(Control([Fetch(1, second.token, second.sizes)]))
+            )
+            await asyncio.sleep(0.2)
+            await dealer.send(msgspec.msgpack.encode(Control(ack=2)))  # the overdue acks
+            await asyncio.sleep(0.2)
+            await sender.put(_key(), Encoded(b"", (bytearray(b"\x03" * (16 * MiB)),)), timeout=5)
+            msgs = [await _within(dealer.recv_multipart()) for _ in range(4)]
+            part = msgspec.msgpack.decode(msgs[3][0], type=Part)
+            data = msgs[3][1]
+            assert (part.xid, len(data)) == (1, 16 * MiB)
+            assert data.count(b"\x02") == len(data), "the second payload arrived torn"
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+
+
 async def test_oversized_payload_fails_at_once(ends: tuple[NetworkSender, NetworkReceiver]) -> None:
     """A payload larger than the whole capacity fails at once rather than at its deadline."""
     sender, _ = ends
