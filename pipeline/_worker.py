@@ -250,6 +250,10 @@ class _Worker:
         self.data_reader.start()
         if self.local is not None:
             self.local.start(on_data)
+        # From here a SIGTERM (from the launcher, or at the parent's death) ends the worker in
+        # order. Until now it kept its default action, so that a setup that hangs, or holds
+        # the loop, cannot outlive the master.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.stop.set)
         self.send_control(Ready(self.stage, self.replica))
         log.info("stage_started", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
         defaults = spec.defaults
@@ -325,12 +329,10 @@ async def run_worker(
         Nothing: failures end in an exit code (3 setup failed, 4 master lost).
     """
     worker = _Worker(master, stage, replica, bind_host)
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, worker.stop.set)
     try:
         return await worker.serve(connect_timeout)
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
         worker.close()
 
 

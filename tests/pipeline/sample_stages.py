@@ -273,6 +273,13 @@ class SlowSetupRelay(Relay):
         await asyncio.sleep(SLOW_SETUP_S)
 
 
+class HangingSetup(Echo):
+    """An echo whose setup never returns (a model load that hangs)."""
+
+    async def setup(self) -> None:
+        await asyncio.Event().wait()
+
+
 class Counted(Stage):
     """Echoes, and reports counters of its own (and a value that is not a number)."""
 

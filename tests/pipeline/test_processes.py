@@ -173,6 +173,33 @@ async def test_kill_9_master_takes_its_workers_down(tmp_path: Path) -> None:
             proc.wait()
 
 
+async def test_kill_9_master_during_a_hanging_setup_takes_its_workers_down(
+    tmp_path: Path,
+) -> None:
+    """A worker still in its stage's setup when the run process is killed -9 exits too. (Its
+    SIGTERM at the parent's death used to wait for the setup, which here never returns.)"""
+    cfg = _write_config(tmp_path, stage="HangingSetup")
+    proc = _stagewire(tmp_path, "run", str(cfg), "--input", '{"value": "x"}')
+    workers: list[int] = []
+    try:
+        workers = await _workers_of(proc, 1)
+
+        async def registered() -> bool:
+            return "replica_registered" in (tmp_path / "err").read_text()
+
+        await wait_for(registered, timeout=30)  # the worker is in setup now
+        proc.kill()
+        proc.wait()
+        await _gone(workers, timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in workers:  # started by this test: none may outlive it, even on failure
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 async def test_start_failure_exits_3_with_one_line(tmp_path: Path) -> None:
     """A stage failing setup makes run exit 3 with a one-line error and no worker left."""
     cfg = _write_config(tmp_path, stage="BrokenSetup")
