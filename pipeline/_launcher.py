@@ -98,6 +98,9 @@ class LocalLauncher:
             str(os.getpid()),
             stdin=asyncio.subprocess.DEVNULL,
             env=self._env(stage),
+            # Its own session: a Ctrl-C at the terminal reaches only the master, which stops
+            # the workers in order (one still importing would print a traceback for it).
+            start_new_session=True,
         )
         self.procs[(stage, replica)] = proc
         self.started.add(proc.pid)
@@ -140,11 +143,23 @@ class LocalLauncher:
             Nothing: only pids this launcher started are signalled.
         """
         self._closing = True
+        while True:
+            await self._stop_running(grace)
+            await asyncio.gather(*self._watchers, return_exceptions=True)
+            # A restart whose spawn was under way when closing began has added a process
+            # since: stop it too, without a grace period.
+            if not any(p.returncode is None for p in self.procs.values()):
+                break
+            grace = 0.0
+        _remove_shared_memory(self.started)
+
+    async def _stop_running(self, grace: float) -> None:
+        """Wait ``grace`` seconds for the running workers to exit, then terminate, then kill."""
         for sig, wait in ((None, grace), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
             # Read afresh each round: a restart already under way may have added a process.
             running = [p for p in self.procs.values() if p.returncode is None]
             if not running:
-                break
+                return
             if sig is not None:
                 for p in running:
                     if p.returncode is None:
@@ -154,8 +169,6 @@ class LocalLauncher:
                     await asyncio.gather(*(p.wait() for p in running))
             except TimeoutError:
                 continue
-        await asyncio.gather(*self._watchers, return_exceptions=True)
-        _remove_shared_memory(self.started)
 
 
 def _remove_shared_memory(pids: Iterable[int]) -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -196,6 +197,42 @@ async def test_kill_9_master_during_a_hanging_setup_takes_its_workers_down(
             proc.kill()
             proc.wait()
         for pid in workers:  # started by this test: none may outlive it, even on failure
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def test_closing_while_a_crashed_worker_is_respawned_leaves_no_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pipeline closed while the launcher is re-spawning a worker killed -9 stops the new
+    worker too. (Close used to list the processes to stop before that spawn had finished.)
+    The spawn is slowed down so that close begins while it is under way."""
+    pipe = Pipeline(spec({"echo": ":Echo"}, []))
+    await pipe.start()
+    real = asyncio.create_subprocess_exec
+    closing: list[asyncio.Task[None]] = []
+
+    async def slow_spawn(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        closing.append(asyncio.ensure_future(pipe.aclose()))  # the user's async with ends
+        await asyncio.sleep(0.3)
+        return await real(*args, **kwargs)
+
+    started: list[int] = []
+    try:
+        launcher = pipe._launcher
+        assert launcher is not None
+        started = [launcher.pids[("echo", 0)]]
+        monkeypatch.setattr(asyncio, "create_subprocess_exec", slow_spawn)
+        os.kill(started[0], signal.SIGKILL)
+        await wait_for(lambda: asyncio.sleep(0, bool(closing)), timeout=10)
+        await asyncio.wait_for(closing[0], 30)
+        started = sorted(launcher.started)
+        assert len(started) == 2  # the respawn happened
+        await _gone(started)
+        assert not children(os.getpid())
+    finally:
+        monkeypatch.undo()
+        for pid in started:  # started by this test: none may outlive it, even on failure
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
