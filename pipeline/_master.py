@@ -339,6 +339,10 @@ class Master:
         """Declare a replica dead and fail only the requests bound to it."""
         rep = self.replicas.get((stage, replica))
         if rep is None or not rep.alive:
+            if rep is None and not self.startup.ready.is_set() and self.startup.error is None:
+                # It died before it registered: start-up fails now, not at its timeout.
+                self.startup.error = f"stage {stage!r} replica {replica} {why} during start-up"
+                self.startup.ready.set()
             return
         rep.alive = False
         rep.ready = False

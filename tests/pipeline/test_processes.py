@@ -57,6 +57,22 @@ async def test_setup_failure_fails_start_and_leaves_nothing() -> None:
     await _gone(children(os.getpid()))
 
 
+async def test_a_worker_dead_before_registering_fails_start_at_once() -> None:
+    """A worker that exits before it registers (here its interpreter cannot start) fails
+    start-up as soon as it exits, naming the replica, instead of at startup_timeout."""
+    s = spec(
+        {"a": ":Echo", "b": {"impl": ":Echo", "env": {"PYTHONHASHSEED": "not-a-seed"}}},
+        [("a", "b")],
+        startup_timeout="60s",
+    )
+    t0 = time.monotonic()
+    with pytest.raises(PipelineError, match=r"stage .b. replica 0 .* during start-up"):
+        async with Pipeline(s):
+            pytest.fail("started despite a worker that cannot start")
+    assert time.monotonic() - t0 < 30
+    await _gone(children(os.getpid()))
+
+
 async def test_kill_9_worker_fails_only_its_requests() -> None:
     """kill -9 of one replica fails its in-flight requests; the other replica's complete."""
     s = spec({"echo": {"impl": ":Echo", "replicas": 2}}, [])
