@@ -231,6 +231,11 @@ class Master:
         ):
             self.garbage += 1
             return
+        if not rep.alive:
+            # Declared dead: what it still sends (a Ready, a heartbeat) must not revive it in
+            # the orchestrator's view; a worker that is back registers anew.
+            self.garbage += 1
+            return
         rep.last_seen = time.monotonic()
         match msg:
             case Heartbeat(inflight=inflight):
@@ -260,7 +265,8 @@ class Master:
             log.warning("unknown_replica_refused", stage=msg.stage, replica=msg.replica)
             return
         old = self.replicas.get(key)
-        if old is not None and old.identity == identity:
+        if old is not None and old.identity == identity and old.alive:
+            # A resend (the worker heard nothing yet): the same answer again.
             self._send(identity, self._assignment(msg.stage, msg.replica))
             return
         misplaced = self._misplaced(msg.stage, msg.replica, msg.host)

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import ctypes
 import os
+import secrets
 import signal
 import sys
 import time
@@ -90,7 +91,9 @@ class _Worker:
         self.host = host_identity()
         self.zctx = new_context()
         self.master = master
-        self.identity = f"{stage}/{replica}/{os.getpid()}".encode()
+        # Unique per process start, not only per pid: a restarted worker may get the same pid
+        # (pid 1 in a container), and the master must not take it for the one before.
+        self.identity = f"{stage}/{replica}/{os.getpid()}/{secrets.token_hex(4)}".encode()
         self.control = self.zctx.socket(zmq.DEALER)
         self.control.setsockopt(zmq.IDENTITY, self.identity)
         self.control.setsockopt(zmq.LINGER, 0)

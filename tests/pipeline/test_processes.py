@@ -253,6 +253,65 @@ async def test_closing_while_a_crashed_worker_is_respawned_leaves_no_process(
                 os.kill(pid, signal.SIGKILL)
 
 
+def _can_unshare_pids() -> bool:
+    try:
+        done = subprocess.run(["unshare", "-fp", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_pids(), reason="needs unshare -p (a pid namespace)")
+async def test_a_worker_restarted_with_the_same_pid_takes_its_slot_back() -> None:
+    """A headless worker restarted in a fresh pid namespace (as in a container) has the
+    same pid as the one that died: it still registers as new, and serves. (The master used
+    to take its registration for a resend of the dead one's and route requests to a slot
+    that was never revived.)"""
+
+    def worker(master: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            ["unshare", "-fp", sys.executable, "-m", "pipeline", "worker", "--master", master,
+             "--stage", "echo", "--connect-timeout", "20"],
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    pipe = Pipeline(spec({"echo": ":Echo"}, [], startup_timeout="20s"))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        async with asyncio.timeout(60):
+            starting = asyncio.ensure_future(pipe.start(launch=False))
+            await asyncio.sleep(0.3)
+            procs.append(worker(pipe.master_endpoint))
+            await starting
+            assert await pipe.submit(Text("one")) == Text("one")
+            master = pipe._master
+            assert master is not None
+            first = master.replicas[("echo", 0)].identity
+            (inner,) = children(procs[0].pid)  # the worker, pid 1 of its namespace
+            os.kill(inner, signal.SIGKILL)
+
+            async def dead() -> bool:
+                return not master.replicas[("echo", 0)].alive
+
+            await wait_for(dead)
+            procs.append(worker(pipe.master_endpoint))
+
+            async def back() -> bool:
+                rep = master.replicas[("echo", 0)]
+                return rep.alive and rep.ready
+
+            await wait_for(back, timeout=20)
+            assert master.replicas[("echo", 0)].identity != first
+            assert await pipe.submit(Text("two")) == Text("two")
+    finally:
+        await pipe.aclose()
+        for p in procs:  # started by this test
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
 async def test_start_failure_exits_3_with_one_line(tmp_path: Path) -> None:
     """A stage failing setup makes run exit 3 with a one-line error and no worker left."""
     cfg = _write_config(tmp_path, stage="BrokenSetup")
