@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -119,7 +119,9 @@ class DefaultsSpec(_Spec):
     """Requests the orchestrator admits at once."""
     heartbeat_interval: Timeout = 1.0
     """How often workers report that they are alive."""
-    heartbeat_timeout: Timeout = 5.0
+    # Checked against the interval even when left at its default: an interval given alone
+    # may exceed it, and every process that reads the spec must refuse that alike.
+    heartbeat_timeout: Annotated[Timeout, Field(validate_default=True)] = 5.0
     """Silence after which a replica is declared dead; must exceed the interval."""
     startup_timeout: Timeout = 60.0
     """How long the master waits for every replica to come up."""

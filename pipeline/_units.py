@@ -123,25 +123,34 @@ def parse_duration(value: object) -> float:
     """
     if isinstance(value, bool):
         raise _invalid("duration", value, _DURATION_HINT)
+    seconds: float | None = None
     if isinstance(value, int | float):
-        if not math.isfinite(value) or value < 0:
-            raise _invalid("duration", value, _DURATION_HINT)
-        return float(value)
-    if isinstance(value, str):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
+    elif isinstance(value, str):
         match = _DURATION_RE.fullmatch(value.strip())
         if match is not None:
-            return float(Decimal(match["number"]) * _DURATION_UNITS[match["unit"] or ""])
-    raise _invalid("duration", value, _DURATION_HINT)
+            seconds = float(Decimal(match["number"]) * _DURATION_UNITS[match["unit"] or ""])
+    # Non-finite durations (also from numbers too large for a float) are refused here:
+    # every process that reads the spec must agree on it.
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        raise _invalid("duration", value, _DURATION_HINT)
+    return seconds
 
 
 def _invalid(noun: str, value: object, hint: str) -> PydanticCustomError:
     """Build the error for a value that is not a ``noun`` at all."""
     # The template engine only substitutes names, so the repr is made here. Types
     # starting with "invalid_" quote the value themselves; see _yaml._describe.
+    shown = repr(value)
+    if len(shown) > 60:  # a one-line error, even for a 400-digit number
+        shown = shown[:40] + "..." + shown[-8:]
     return PydanticCustomError(
         "invalid_" + noun.replace(" ", "_"),
         "invalid {noun} {value}: expected {hint}",
-        {"noun": noun, "value": repr(value), "hint": hint},
+        {"noun": noun, "value": shown, "hint": hint},
     )
 
 

@@ -389,6 +389,22 @@ def test_helpers_refuse_unknown_names() -> None:
             id="heartbeat",
         ),
         pytest.param(
+            "defaults: {heartbeat_interval: 10s}\nstages: {a: {impl: 'm:A'}}\n",
+            "p.yaml:1: defaults.heartbeat_timeout: heartbeat_timeout (5s) must exceed "
+            "heartbeat_interval (10s)",
+            id="heartbeat-interval-past-the-default-timeout",
+        ),
+        pytest.param(
+            f"defaults: {{chunk_timeout: {'9' * 400}}}\nstages: {{a: {{impl: 'm:A'}}}}\n",
+            "p.yaml:1: defaults.chunk_timeout: invalid duration 9999",
+            id="duration-too-large-for-a-float",
+        ),
+        pytest.param(
+            f"defaults: {{chunk_timeout: '{'9' * 400}s'}}\nstages: {{a: {{impl: 'm:A'}}}}\n",
+            "p.yaml:1: defaults.chunk_timeout: invalid duration '9999",
+            id="duration-that-is-infinite",
+        ),
+        pytest.param(
             "stages: {a: {impl: 'm:A'}}\nedges: {a: b}\n",
             "p.yaml:2: edges: expected a list, got a mapping",
             id="edges-not-a-list",
