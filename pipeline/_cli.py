@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +71,14 @@ def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
         lines = [("--input", args.input)]
     elif args.input_file is not None:
         try:
-            text = Path(args.input_file).read_text()
+            text = Path(args.input_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise _Fail(f"cannot read {args.input_file}: {exc.strerror}", EXIT_CONFIG) from exc
+        except UnicodeDecodeError as exc:
+            raise _Fail(
+                f"{args.input_file}: not UTF-8 text (byte {exc.start}): give JSON lines",
+                EXIT_CONFIG,
+            ) from exc
         lines = [
             (f"{args.input_file}:{n}", line)
             for n, line in enumerate(text.splitlines(), 1)
@@ -207,8 +214,10 @@ def _parser() -> argparse.ArgumentParser:
     group = run.add_mutually_exclusive_group()
     group.add_argument("--input", help="one input as JSON")
     group.add_argument("--input-file", help="inputs as JSON lines")
-    run.add_argument("--requests", type=int, default=0, help="requests to send (cycles inputs)")
-    run.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    run.add_argument(
+        "--requests", type=_count(0), default=0, help="requests to send (cycles inputs)"
+    )
+    run.add_argument("--concurrency", type=_count(1), default=8, help="requests in flight")
     run.add_argument("--print-outputs", action="store_true", help="print every output")
     run.add_argument(
         "--show-stream",
@@ -230,13 +239,34 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        return value
+
+    return parse
+
+
+def _one_line(message: str) -> str:
+    """An error message on one line (a stage's multi-line error, say)."""
+    return re.sub(r"\s*\n\s*", " | ", message.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``stagewire`` command; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:
+    command = argv[1:] if argv[:1] == ["--debug"] else argv
+    if command[:1] == ["worker"]:
         from pipeline._worker import main as worker_main
 
-        return worker_main(argv[1:])
+        return worker_main(command[1:])
     args = _parser().parse_args(argv)
     configure_logging()
     # Off a terminal (CI logs, pipes) keep table rows and error lines unwrapped.
@@ -248,12 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     except _Fail as exc:
         if args.debug:
             raise
-        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        console.print(f"[red]error:[/red] {_one_line(str(exc))}", highlight=False, soft_wrap=True)
         return exc.code
     except PayloadError as exc:
         if args.debug:
             raise
-        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        console.print(f"[red]error:[/red] {_one_line(str(exc))}", highlight=False, soft_wrap=True)
         return EXIT_CONFIG
     except KeyboardInterrupt:
         console.print("interrupted")

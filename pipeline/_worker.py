@@ -356,7 +356,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a worker from command-line arguments; returns the exit code."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if not args.master.startswith(("tcp://", "ipc://")):
+        p.error(f"--master {args.master!r} is not a control endpoint (tcp://HOST:PORT)")
     configure_logging()
     if args.parent_pid is not None:
         # A locally launched worker: the master handles Ctrl-C and shuts us down in order.

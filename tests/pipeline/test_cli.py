@@ -104,3 +104,42 @@ def test_show_stream_prints_the_first_response_as_it_streams(tmp_path: Path) -> 
     assert res.stdout.splitlines()[0] == "alphabetagamma"
     assert "streaming one request" in res.stderr
     assert "3/3 requests ok" in res.stderr
+
+
+def test_bad_arguments_are_one_line_errors_not_tracebacks(tmp_path: Path) -> None:
+    """Arguments that cannot work fail at once, on one line, with exit status 2: a negative
+    request count, an input file that is not UTF-8, a worker's master that is not an
+    endpoint. (Each used to end in a traceback, some only after the pipeline started.)"""
+    binary = tmp_path / "inputs.jsonl"
+    binary.write_bytes(b"\xff\xfe not json")
+    cases = [
+        (("run", "configs/demo.yaml", "--input", '{"value": "a"}', "--requests", "-1"),
+         "--requests: -1 is below 0"),
+        (("run", "configs/demo.yaml", "--input-file", str(binary)), "not UTF-8 text"),
+        (("worker", "--master", "not-an-endpoint", "--stage", "split"),
+         "is not a control endpoint"),
+    ]  # fmt: skip
+    for args, expected in cases:
+        done = _run(*args, timeout=60)
+        assert done.returncode == 2, (args, done.stderr)
+        assert expected in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr, (args, done.stderr)
+
+
+def test_debug_flag_reaches_the_worker_command() -> None:
+    """``stagewire --debug worker ...`` runs the worker (here: no master to reach, exit 4),
+    not the run command's code path (which failed with an AttributeError)."""
+    done = _run(
+        "--debug", "worker", "--master", "tcp://127.0.0.1:9", "--stage", "split",
+        "--connect-timeout", "1", timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 4, done.stderr
+    assert "AttributeError" not in done.stderr
+
+
+def test_error_messages_are_flattened_to_one_line() -> None:
+    """A multi-line error (a stage's validation error, say) prints as one line."""
+    from pipeline._cli import _one_line
+
+    text = "2 validation errors for Params\nsize\n  Input should be a valid integer\n"
+    assert _one_line(text) == "2 validation errors for Params | size | Input should be a valid integer"
