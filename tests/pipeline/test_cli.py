@@ -142,4 +142,5 @@ def test_error_messages_are_flattened_to_one_line() -> None:
     from pipeline._cli import _one_line
 
     text = "2 validation errors for Params\nsize\n  Input should be a valid integer\n"
-    assert _one_line(text) == "2 validation errors for Params | size | Input should be a valid integer"
+    flat = "2 validation errors for Params | size | Input should be a valid integer"
+    assert _one_line(text) == flat
