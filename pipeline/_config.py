@@ -174,6 +174,25 @@ class StageSpec(_Spec):
             }
         return value
 
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
+        # What the OS would refuse at spawn, refused here with the line it is on.
+        for name, value in env.items():
+            if not name or "=" in name or "\0" in name:
+                raise PydanticCustomError(
+                    "invalid_env_name",
+                    "invalid environment variable name {name}: non-empty, no '=' or NUL",
+                    {"name": repr(name)},
+                )
+            if "\0" in value:
+                raise PydanticCustomError(
+                    "invalid_env_value",
+                    "environment variable {name} holds a NUL byte",
+                    {"name": name},
+                )
+        return env
+
 
 class EdgeSpec(_Spec):
     """A directed edge from one stage to another; unset fields inherit the defaults.

@@ -57,7 +57,12 @@ class LocalLauncher:
         paths = [p for p in sys.path if p and os.path.isdir(p)]
         paths.insert(0, os.getcwd())
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        env.update(self._spec.stages[stage].env)
+        extra = dict(self._spec.stages[stage].env)
+        given = extra.pop("PYTHONPATH", None)
+        if given:
+            # Added in front, not put in place of what lets the worker import its stage.
+            env["PYTHONPATH"] = os.pathsep.join((given, env["PYTHONPATH"]))
+        env.update(extra)
         return env
 
     async def start_all(self) -> None:

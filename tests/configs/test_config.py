@@ -405,6 +405,11 @@ def test_helpers_refuse_unknown_names() -> None:
             id="duration-that-is-infinite",
         ),
         pytest.param(
+            "stages:\n  a: {impl: 'm:A', env: {'A=B': x}}\n",
+            "p.yaml:2: stages.a.env: invalid environment variable name 'A=B'",
+            id="env-name-with-equals",
+        ),
+        pytest.param(
             "stages: {a: {impl: 'm:A'}}\nedges: {a: b}\n",
             "p.yaml:2: edges: expected a list, got a mapping",
             id="edges-not-a-list",

@@ -473,3 +473,19 @@ async def test_payloads_held_for_a_killed_consumer_are_taken_back(transport: str
             return await held() == 0
 
         await wait_for(taken_back)
+
+
+async def test_a_stage_pythonpath_is_added_to_the_workers_path(tmp_path: Path) -> None:
+    """A stage's ``env: {PYTHONPATH: ...}`` is put in front of the path the launcher gives
+    its workers, so they still import the stage class. (It used to replace that path.)"""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    s = spec({"echo": {"impl": ":Echo", "env": {"PYTHONPATH": str(extra)}}}, [])
+    async with Pipeline(s) as pipe:
+        assert await pipe.submit(Text("x")) == Text("x")
+        pid = pipe.worker_pids[("echo", 0)]
+        environ = await asyncio.to_thread(Path(f"/proc/{pid}/environ").read_bytes)
+        (path,) = [e for e in environ.split(b"\0") if e.startswith(b"PYTHONPATH=")]
+        entries = path.decode().split("=", 1)[1].split(os.pathsep)
+        assert entries[0] == str(extra)
+        assert os.getcwd() in entries  # what the launcher gives every worker, kept
