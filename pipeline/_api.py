@@ -187,7 +187,11 @@ class Pipeline:
         if not structlog.is_configured():
             configure_logging()
         self._master = Master(self.plan)
-        await self._master.start()
+        try:
+            await self._master.start()
+        except BaseException:
+            await self.aclose()  # its sockets and context, bound or not
+            raise
         if launch:
             self._launcher = LocalLauncher(
                 self.spec,

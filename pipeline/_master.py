@@ -9,6 +9,7 @@ exits; only the requests bound to it fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -146,11 +147,20 @@ class Master:
         """Bind the control and client data sockets and start heartbeating.
 
         Raises:
-            zmq.ZMQError: the bind address is unusable (in use, not local).
+            PipelineError: the bind address is unusable (in use, not local).
         """
-        self.endpoint = bind_ephemeral(self.router, self._bind)
-        data_bind = self.endpoint.rsplit(":", 1)[0] + ":0"
-        self.data_endpoint = bind_ephemeral(self.inbox, data_bind)
+        try:
+            self.endpoint = bind_ephemeral(self.router, self._bind)
+            if self.endpoint.startswith("ipc://"):
+                data_bind = self.endpoint + ".data"
+            else:
+                data_bind = self.endpoint.rsplit(":", 1)[0] + ":0"
+            self.data_endpoint = bind_ephemeral(self.inbox, data_bind)
+        except zmq.ZMQError as exc:
+            raise PipelineError(
+                f"the master cannot bind {self._bind!r}: {exc.strerror}; "
+                "set master.bind to a free address of this host"
+            ) from exc
         self.orchestrator = Orchestrator(
             self.plan,
             host=self.host,
@@ -457,3 +467,8 @@ class Master:
         self.router.close(linger=500)
         self.inbox.close(linger=0)
         self.zctx.term()
+        for endpoint in (self.endpoint, self.data_endpoint):
+            if endpoint.startswith("ipc://"):
+                # ZMQ leaves a bound ipc socket's file behind.
+                with contextlib.suppress(OSError):
+                    os.unlink(endpoint.removeprefix("ipc://"))

@@ -44,8 +44,14 @@ SendData = Callable[[str, "bytes | Sealable"], None]
 
 
 def new_context() -> zmq.Context[Any]:
-    """A ZMQ context for one process; the caller terminates it."""
-    return zmq.Context()
+    """A ZMQ context for one process; the caller terminates it.
+
+    Its sockets speak IPv6 as well as IPv4, so IPv6 endpoints (``tcp://[::1]:PORT``) that
+    the config accepts also work.
+    """
+    ctx: zmq.Context[Any] = zmq.Context()
+    ctx.setsockopt(zmq.IPV6, 1)
+    return ctx
 
 
 def bind_ephemeral(sock: zmq.Socket[Any], address: str) -> str:

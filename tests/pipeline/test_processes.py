@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from pipeline import Pipeline, PipelineError, StageUnavailable
+from pipeline._config import MasterSpec
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
 from tests.procs import alive, children
@@ -489,3 +490,41 @@ async def test_a_stage_pythonpath_is_added_to_the_workers_path(tmp_path: Path) -
         entries = path.decode().split("=", 1)[1].split(os.pathsep)
         assert entries[0] == str(extra)
         assert os.getcwd() in entries  # what the launcher gives every worker, kept
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kind", ["ipv6", "ipc"])
+async def test_every_master_bind_the_config_accepts_works(kind: str, tmp_path: Path) -> None:
+    """An IPv6 or an ipc:// master address, which the config accepts, serves requests and
+    leaves no socket file behind. (Both used to fail at bind with a ZMQ traceback.)"""
+    if kind == "ipv6" and not _has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    bind = "tcp://[::1]:0" if kind == "ipv6" else f"ipc://{tmp_path}/master.sock"
+    s = spec({"echo": ":Echo"}, []).model_copy(update={"master": MasterSpec(bind=bind)})
+    async with Pipeline(s) as pipe:
+        assert await pipe.submit(Text(kind)) == Text(kind)
+    assert not await asyncio.to_thread(os.listdir, tmp_path)
+
+
+async def test_a_master_address_in_use_fails_start_with_one_line() -> None:
+    """A master bind address already taken fails start with a PipelineError that names it,
+    and leaves nothing running."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        s = spec({"echo": ":Echo"}, []).model_copy(
+            update={"master": MasterSpec(bind=f"tcp://127.0.0.1:{port}")}
+        )
+        with pytest.raises(PipelineError, match=f"cannot bind 'tcp://127.0.0.1:{port}'"):
+            async with Pipeline(s):
+                pytest.fail("started on an address in use")
+    assert not children(os.getpid())
