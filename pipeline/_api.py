@@ -22,6 +22,7 @@ from pipeline._logging import configure_logging
 from pipeline._master import Master
 from pipeline._orchestrator import ClientRequest
 from pipeline._signature import PipelinePlan, build_plan
+from pipeline._yaml import YamlDocument, read_yaml_file
 
 __all__ = ("Pipeline", "ResponseStream", "SinkOutput")
 
@@ -136,14 +137,20 @@ class ResponseStream:
 class Pipeline:
     """A running pipeline: an embedded master plus one worker process per replica."""
 
-    def __init__(self, spec: PipelineSpec | Mapping[str, Any], *, source: str | None = None):
+    def __init__(
+        self,
+        spec: PipelineSpec | Mapping[str, Any],
+        *,
+        source: str | None = None,
+        _document: YamlDocument | None = None,
+    ):
         """Check the spec and every edge's types; starts nothing.
 
         Raises:
             ConfigError: the spec is invalid or an edge's types do not match.
         """
         self.spec = spec if isinstance(spec, PipelineSpec) else PipelineSpec.from_dict(spec)
-        self.plan: PipelinePlan = build_plan(self.spec, source=source)
+        self.plan: PipelinePlan = build_plan(self.spec, source=source, document=_document)
         self._master: Master | None = None
         self._launcher: LocalLauncher | None = None
 
@@ -154,7 +161,9 @@ class Pipeline:
         Raises:
             ConfigError: naming the file, field and line.
         """
-        return cls(PipelineSpec.from_yaml(path), source=os.fspath(path))
+        document = read_yaml_file(path)
+        # The document goes along so that errors found building the plan name their line.
+        return cls(PipelineSpec.from_document(document), source=os.fspath(path), _document=document)
 
     def _master_or_fail(self) -> Master:
         if self._master is None:

@@ -404,6 +404,16 @@ class PipelineSpec(_Spec):
         return cls._validate(read_yaml_file(path))
 
     @classmethod
+    def from_document(cls, document: YamlDocument) -> PipelineSpec:
+        """Validate a parsed YAML document (from ``read_yaml_file`` or ``parse_yaml``).
+
+        Raises:
+            ConfigError: the document is not a valid pipeline; the message names its
+                source, the field and the line.
+        """
+        return cls._validate(document)
+
+    @classmethod
     def from_yaml_text(cls, text: str, *, source: str = "<string>") -> PipelineSpec:
         """Load and validate a pipeline from YAML text; ``source`` names it in errors.
 

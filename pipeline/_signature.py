@@ -23,6 +23,7 @@ from pipeline._edge_transport import EdgeTransports, resolve_edge_transports
 from pipeline._errors import ConfigError
 from pipeline._keys import CLIENT, edge_name
 from pipeline._stage import Context, Outputs, Stage, Stream
+from pipeline._yaml import YamlDocument
 
 __all__ = (
     "EdgePlan",
@@ -271,8 +272,12 @@ def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool)
     )
 
 
-def build_plan(spec: PipelineSpec, *, source: str | None = None) -> PipelinePlan:
+def build_plan(
+    spec: PipelineSpec, *, source: str | None = None, document: YamlDocument | None = None
+) -> PipelinePlan:
     """Import every stage and check every edge's types, before any process starts.
+
+    ``document``, the YAML the spec came from, lets errors name the line of the field.
 
     Raises:
         ConfigError: a stage cannot be loaded, its params do not validate, or an edge's
@@ -282,7 +287,11 @@ def build_plan(spec: PipelineSpec, *, source: str | None = None) -> PipelinePlan
         return _build(spec)
     except ConfigError as exc:
         if source is not None and exc.file is None:
-            raise ConfigError(exc.message, file=source, path=exc.path, line=exc.line) from exc
+            line = exc.line
+            if line is None and document is not None and exc.path:
+                loc = tuple(int(p) if p.isdigit() else p for p in exc.path.split("."))
+                line = document.line_of(loc, key=True)
+            raise ConfigError(exc.message, file=source, path=exc.path, line=line) from exc
         raise
 
 

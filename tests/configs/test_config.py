@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from pipeline import Pipeline
 from pipeline._config import EdgeSpec, PipelineSpec, StageSpec, TransportSpec
 from pipeline._errors import ConfigError
 from pipeline._units import ByteSize, Duration
@@ -525,3 +526,23 @@ def test_loader_is_safe() -> None:
     """Python-specific YAML tags are refused rather than executed."""
     error = config_error("stages: !!python/object/apply:os.system ['true']\n")
     assert str(error).startswith("p.yaml:1: invalid YAML:")
+
+
+@pytest.mark.parametrize(
+    ("stage", "expected"),
+    [
+        ("impl: 'stages.text:Nope'", "p.yaml:4: stages.b.impl: module 'stages.text' has no"),
+        ("impl: 'stages.text:Upper'\n    params: {repeat: 99}", "p.yaml:5: stages.b.params"),
+    ],
+    ids=["impl-without-the-class", "params-that-do-not-validate"],
+)
+def test_errors_found_building_the_plan_name_their_line(
+    tmp_path: Path, stage: str, expected: str
+) -> None:
+    """A stage that does not load, or whose params do not validate, is reported at the
+    line of the field in the YAML file, like the errors of the spec itself."""
+    path = tmp_path / "p.yaml"
+    path.write_text(f"stages:\n  a: {{impl: 'stages.text:Split'}}\n  b:\n    {stage}\n")
+    with pytest.raises(ConfigError) as info:
+        Pipeline.from_yaml(path)
+    assert str(info.value).startswith(str(tmp_path / expected)), str(info.value)
