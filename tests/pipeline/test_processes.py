@@ -174,38 +174,27 @@ async def test_ctrl_c_stops_run_and_every_worker(tmp_path: Path) -> None:
             proc.wait()
 
 
-async def test_kill_9_master_takes_its_workers_down(tmp_path: Path) -> None:
-    """kill -9 of the run process makes every one of its workers exit by itself."""
-    cfg = _write_config(tmp_path, replicas=2)
+@pytest.mark.parametrize(
+    ("stage", "replicas"), [("Echo", 2), ("HangingSetup", 1)], ids=["serving", "in-setup"]
+)
+async def test_kill_9_master_takes_its_workers_down(
+    tmp_path: Path, stage: str, replicas: int
+) -> None:
+    """kill -9 of the run process makes every one of its workers exit by itself, also one
+    still in a setup that never returns. (That one's SIGTERM at the parent's death used to
+    wait for the setup.)"""
+    cfg = _write_config(tmp_path, stage=stage, replicas=replicas)
     proc = _stagewire(
         tmp_path, "run", str(cfg), "--input", '{"value": "sleep 5"}', "--requests", "50"
     )
-    try:
-        workers = await _workers_of(proc, 2)
-        proc.kill()
-        proc.wait()
-        await _gone(workers, timeout=15)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-async def test_kill_9_master_during_a_hanging_setup_takes_its_workers_down(
-    tmp_path: Path,
-) -> None:
-    """A worker still in its stage's setup when the run process is killed -9 exits too. (Its
-    SIGTERM at the parent's death used to wait for the setup, which here never returns.)"""
-    cfg = _write_config(tmp_path, stage="HangingSetup")
-    proc = _stagewire(tmp_path, "run", str(cfg), "--input", '{"value": "x"}')
     workers: list[int] = []
     try:
-        workers = await _workers_of(proc, 1)
+        workers = await _workers_of(proc, replicas)
 
         async def registered() -> bool:
             return "replica_registered" in (tmp_path / "err").read_text()
 
-        await wait_for(registered, timeout=30)  # the worker is in setup now
+        await wait_for(registered, timeout=30)  # serving, or in setup now
         proc.kill()
         proc.wait()
         await _gone(workers, timeout=15)

@@ -57,20 +57,26 @@ class Verify(Stage):
 
     async def process(self, pieces: Stream[Piece], ctx: Context) -> Text:
         assert isinstance(self.params, Verify.Params)
-        seen = 0
-        total = 0
-        async for piece in pieces:
-            if piece.seq != seen:
-                raise AssertionError(f"expected piece {seen}, got {piece.seq}")
-            want = pattern(piece.seq)
-            if piece.data.size and not bool((piece.data == want).all()):
-                raise AssertionError(f"piece {piece.seq} holds bytes that are not its own")
-            seen += 1
-            total += int(piece.data.size)
-            if self.params.delay:
-                # The point is a slow consumer: it holds the stream open while chunks queue.
-                await asyncio.sleep(self.params.delay)
-        return Text(f"{seen}:{total}")
+        return await _verify(pieces, self.params.delay)
+
+
+async def _verify(pieces: Stream[Piece] | Stream[TensorPiece], delay: float) -> Text:
+    """Check each piece's position and bytes, sleeping ``delay`` after each (holding it)."""
+    seen = 0
+    total = 0
+    async for piece in pieces:
+        if piece.seq != seen:
+            raise AssertionError(f"expected piece {seen}, got {piece.seq}")
+        data = piece.data
+        size = int(data.numel() if isinstance(data, torch.Tensor) else data.size)
+        if size and not bool((data == pattern(piece.seq)).all()):
+            raise AssertionError(f"piece {piece.seq} holds bytes that are not its own")
+        seen += 1
+        total += size
+        if delay:
+            # The point is a slow consumer: it holds the stream open while chunks queue.
+            await asyncio.sleep(delay)
+    return Text(f"{seen}:{total}")
 
 
 class TensorPiece(msgspec.Struct):
@@ -97,17 +103,11 @@ class TensorFlood(Stage):
 
 
 class TensorDrain(Stage):
-    """Takes tensor pieces in order, sleeping ``delay`` seconds after each, holding it."""
+    """:class:`Verify` for tensor pieces, slow by default: each piece is held a minute."""
 
     class Params(BaseModel):
         delay: float = 60.0
 
     async def process(self, pieces: Stream[TensorPiece], ctx: Context) -> Text:
         assert isinstance(self.params, TensorDrain.Params)
-        seen = 0
-        async for piece in pieces:
-            if piece.seq != seen or int(piece.data[0]) != pattern(seen):
-                raise AssertionError(f"expected piece {seen}, got {piece.seq}")
-            seen += 1
-            await asyncio.sleep(self.params.delay)
-        return Text(str(seen))
+        return await _verify(pieces, self.params.delay)
