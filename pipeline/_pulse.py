@@ -17,6 +17,7 @@ import zmq
 
 from pipeline._messages import Heartbeat
 from pipeline._messages import encode_message as _encode
+from pipeline._sockets import for_endpoint
 
 __all__ = ("Pulse", "pulse_identity")
 
@@ -59,7 +60,7 @@ class Pulse:
         sock.setsockopt(zmq.LINGER, 0)
         # Heartbeats must not pile up while the master is unreachable: keep only a few.
         sock.setsockopt(zmq.SNDHWM, 4)
-        sock.connect(self._master)
+        for_endpoint(sock, self._master).connect(self._master)
         try:
             while not self._stopped.is_set():
                 # Reading an int another thread updates is safe under the GIL; a stale value

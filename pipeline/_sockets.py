@@ -44,14 +44,18 @@ SendData = Callable[[str, "bytes | Sealable"], None]
 
 
 def new_context() -> zmq.Context[Any]:
-    """A ZMQ context for one process; the caller terminates it.
+    """A ZMQ context for one process; the caller terminates it."""
+    return zmq.Context()
 
-    Its sockets speak IPv6 as well as IPv4, so IPv6 endpoints (``tcp://[::1]:PORT``) that
-    the config accepts also work.
+
+def for_endpoint(sock: zmq.Socket[Any], endpoint: str) -> zmq.Socket[Any]:
+    """Let ``sock`` use ``endpoint``: an IPv6 one (``tcp://[::1]:PORT``) needs IPv6 on.
+
+    Only then: an IPv6 socket bound to an IPv4 address reports it IPv4-mapped.
     """
-    ctx: zmq.Context[Any] = zmq.Context()
-    ctx.setsockopt(zmq.IPV6, 1)
-    return ctx
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    return sock
 
 
 def bind_ephemeral(sock: zmq.Socket[Any], address: str) -> str:
@@ -62,7 +66,7 @@ def bind_ephemeral(sock: zmq.Socket[Any], address: str) -> str:
     """
     if address.startswith("tcp://") and address.endswith(":0"):
         address = address[:-2] + ":*"
-    sock.bind(address)
+    for_endpoint(sock, address).bind(address)
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     assert isinstance(endpoint, bytes)
     return endpoint.decode()
@@ -210,7 +214,7 @@ class Outbox:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
+            for_endpoint(sock, endpoint).connect(endpoint)
             self._socks[endpoint] = sock
         return sock
 

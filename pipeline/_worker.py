@@ -55,7 +55,7 @@ from pipeline._messages import (
 )
 from pipeline._pulse import Pulse
 from pipeline._signature import build_plan
-from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
+from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, for_endpoint, new_context
 from transports._liveness import pid_namespace
 
 __all__ = ("EXIT_MASTER_LOST", "EXIT_SETUP_FAILED", "main", "run_worker")
@@ -98,7 +98,7 @@ class _Worker:
         self.control.setsockopt(zmq.IDENTITY, self.identity)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-        self.control.connect(master)
+        for_endpoint(self.control, master).connect(master)
         self.inbox = self.zctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.RCVHWM, 0)
         self.inbox.setsockopt(zmq.LINGER, 0)
