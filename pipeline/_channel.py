@@ -121,6 +121,12 @@ def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
     return refused
 
 
+def _outcome_dropped(task: asyncio.Task[Any]) -> None:
+    """Retrieve a finished task's outcome that nobody awaits, so asyncio does not log it."""
+    if not task.cancelled():
+        task.exception()
+
+
 class Inflow:
     """One request's position on one input edge: its reorder buffer and credit marks."""
 
@@ -150,8 +156,9 @@ class Inflow:
         held, self.held = self.held, None
         fetching, self.fetching = self.fetching, None
         if fetching is not None:
-            # Cancelled, the fetch releases its payload; a finished one already did.
-            fetching[0].cancel()
+            # Left to finish: the fetch releases its payload as it ends (cancelled before
+            # its first step it would not), and its outcome is nobody's now.
+            fetching[0].add_done_callback(_outcome_dropped)
         if exc is not None:
             self.buffer.abort(exc)
         else:
@@ -661,16 +668,21 @@ class InputChannel:
         fetch running and in place, so the next read returns that chunk: none is lost.
         """
         assert inflow.fetching is not None
-        task, item, final = inflow.fetching
+        fetching = inflow.fetching
+        task, item, final = fetching
         try:
             value = await asyncio.shield(task)
         except asyncio.CancelledError:
-            if task.cancelled():  # the fetch itself, by Inflow.end: the request ended
+            raise  # the read was cancelled: the fetch goes on, for the next read
+        except BaseException:
+            if inflow.fetching is fetching:
                 inflow.fetching = None
             raise
-        except BaseException:
-            inflow.fetching = None
-            raise
+        if inflow.fetching is not fetching:
+            # The request ended meanwhile (Inflow.end): the reader gets its end, not a
+            # chunk of a request that is over.
+            inflow.buffer.get_nowait()  # raises EndOfChannel, or the abort's error
+            raise EndOfChannel(inflow.buffer.request_id)
         inflow.fetching = None
         inflow.taken += 1
         if not final and inflow.taken >= inflow.credit_due:

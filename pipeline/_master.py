@@ -241,9 +241,10 @@ class Master:
         ):
             self.garbage += 1
             return
-        if not rep.alive:
+        if not rep.alive and not isinstance(msg, SetupFailed):
             # Declared dead: what it still sends (a Ready, a heartbeat) must not revive it in
-            # the orchestrator's view; a worker that is back registers anew.
+            # the orchestrator's view; a worker that is back registers anew. Its setup
+            # error still counts: it says why start-up failed better than its exit code.
             self.garbage += 1
             return
         rep.last_seen = time.monotonic()

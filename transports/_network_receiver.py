@@ -205,7 +205,10 @@ class NetworkReceiver(AsyncResource):
                 self.fail(inbound, "released while it was being fetched", drop=True, count=False)
             inbound.taken = True
             self._forget(token)
-        elif token not in self._finished:
+            if inbound.error is None or inbound.dropped or inbound.refused:
+                return
+            # Its (pre)fetch failed with its connection, and the producer was not told.
+        if inbound is not None or token not in self._finished:
             try:
                 conn = self._connection(descriptor.endpoint, bulk=False)
             except TransportError:

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline import ConfigError
 from pipeline._channel import InputChannel, OutputChannel, SendTarget, file_run
-from pipeline._errors import EndOfChannel
+from pipeline._errors import EndOfChannel, RequestAborted
 from pipeline._messages import Chunks, Credit, decode_batch, encode_batch
 from pipeline._signature import EdgePlan, build_plan
 from pipeline._stage import NOT_READY, Stream
@@ -185,6 +185,30 @@ async def test_an_envelope_delivered_twice_leaves_the_original_readable() -> Non
         await asyncio.sleep(0.05)  # any release the repeat started has run
         assert wire.inflow.buffer.duplicates == 4  # three chunks and the end, again
         assert [(await wire.inp.next(wire.inflow)).seq for _ in range(3)] == [0, 1, 2]
+    finally:
+        await wire.out.aclose()
+        await wire.inp.aclose()
+
+
+async def test_a_request_ending_mid_fetch_ends_the_read_and_frees_the_payload() -> None:
+    """A request that ends (aborted, timed out) while its reader waits for a fetch from a
+    transport: the reader gets the request's error, not a CancelledError nobody asked for,
+    and the payload is released even though the fetch had not started."""
+    wire = _Wire(_plan(8, 1 << 20, transport="shm"))
+    try:
+        await wire.produce([100])
+        wire.deliver()
+        reading = asyncio.ensure_future(wire.inp.next(wire.inflow))
+        await asyncio.sleep(0)  # the read has queued the fetch, which has not run yet
+        assert not reading.done()
+        wire.inflow.end(RequestAborted("r", "the request failed elsewhere"))
+        with pytest.raises(RequestAborted, match="failed elsewhere"):
+            await reading
+        shm = wire.out._senders["shm"]
+        async with asyncio.timeout(5):
+            # The release travels through the segment's own words: poll for it.
+            while shm.statistics().held:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
     finally:
         await wire.out.aclose()
         await wire.inp.aclose()

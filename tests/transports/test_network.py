@@ -529,6 +529,29 @@ async def test_a_release_after_a_get_lost_with_its_connection_still_frees_the_pa
             proxy.close()
 
 
+async def test_a_prefetch_lost_with_its_connection_is_dropped_on_release() -> None:
+    """A payload prefetched when its descriptor arrived, whose fetch then failed with its
+    connection, and which is released unread (its request ended): the producer is told to
+    drop it, on a new connection, and holds nothing."""
+    transport = NetworkTransport(capacity="3MiB", fetch_timeout=2)
+    async with transport.open_sender(_edge()) as sender, transport.open_receiver(_edge()) as rx:
+        desc = await sender.put(_key(), Encoded(b"h", (bytes(MiB),)), timeout=5)
+        proxy = await _resetting_proxy(int(sender.endpoint.rsplit(":", 1)[1]))
+        try:
+            port = proxy.sockets[0].getsockname()[1]
+            via = msgspec.structs.replace(desc, endpoint=f"tcp://127.0.0.1:{port}")
+            rx.decode_descriptor(msgspec.msgpack.encode(via))  # prefetches it
+            async with asyncio.timeout(STEP):
+                while rx.statistics().errors == 0:  # noqa: ASYNC110  (the reset lands)
+                    await asyncio.sleep(0.02)
+            await rx.release(via)
+            async with asyncio.timeout(STEP):
+                while sender.held_bytes:  # noqa: ASYNC110  (the drop reaches the producer)
+                    await asyncio.sleep(0.02)
+        finally:
+            proxy.close()
+
+
 async def test_late_acks_of_an_abandoned_receiver_free_none_of_a_new_fetch() -> None:
     """A receiver abandoned for not acknowledging (its loop was blocked) may fetch again on
     the same connection and only then send its overdue acks. Those belong to what it was
