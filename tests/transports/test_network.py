@@ -506,10 +506,15 @@ async def _resetting_proxy(port: int) -> asyncio.Server:
     return await asyncio.start_server(handle, "127.0.0.1", 0)
 
 
-async def test_a_release_after_a_get_lost_with_its_connection_still_frees_the_payload() -> None:
-    """A get that fails because its connection dropped before the fetch reached the
-    producer told the producer nothing; the release that follows must, on a new
-    connection, or the producer holds the payload (and its capacity) for good."""
+@pytest.mark.parametrize("read", ["get", "prefetch"])
+async def test_a_payload_whose_fetch_was_lost_with_its_connection_is_dropped_on_release(
+    read: str,
+) -> None:
+    """A get, or the prefetch a descriptor starts when it arrives, that fails because its
+    connection dropped before the fetch reached the producer told the producer nothing:
+    the release that follows (after the failed get, or unread when the request ended)
+    must, on a new connection, or the producer holds the payload and its capacity for good.
+    """
     transport = NetworkTransport(capacity="3MiB", fetch_timeout=2)
     async with transport.open_sender(_edge()) as sender, transport.open_receiver(_edge()) as rx:
         desc = await sender.put(_key(), Encoded(b"h", (bytes(MiB),)), timeout=5)
@@ -517,36 +522,19 @@ async def test_a_release_after_a_get_lost_with_its_connection_still_frees_the_pa
         try:
             port = proxy.sockets[0].getsockname()[1]
             via = msgspec.structs.replace(desc, endpoint=f"tcp://127.0.0.1:{port}")
-            with pytest.raises(TransportError):
-                await _within(rx.get(via))
+            if read == "get":
+                with pytest.raises(TransportError):
+                    await _within(rx.get(via))
+            else:
+                rx.decode_descriptor(msgspec.msgpack.encode(via))  # prefetches it
+                async with asyncio.timeout(STEP):
+                    while rx.statistics().errors == 0:  # noqa: ASYNC110  (the reset lands)
+                        await asyncio.sleep(0.02)
             assert sender.held_bytes > MiB  # the payload and its header, still held
             await rx.release(via)
             async with asyncio.timeout(STEP):
                 # The drop travels to the producer's server: nothing local to wait on.
                 while sender.held_bytes:  # noqa: ASYNC110
-                    await asyncio.sleep(0.02)
-        finally:
-            proxy.close()
-
-
-async def test_a_prefetch_lost_with_its_connection_is_dropped_on_release() -> None:
-    """A payload prefetched when its descriptor arrived, whose fetch then failed with its
-    connection, and which is released unread (its request ended): the producer is told to
-    drop it, on a new connection, and holds nothing."""
-    transport = NetworkTransport(capacity="3MiB", fetch_timeout=2)
-    async with transport.open_sender(_edge()) as sender, transport.open_receiver(_edge()) as rx:
-        desc = await sender.put(_key(), Encoded(b"h", (bytes(MiB),)), timeout=5)
-        proxy = await _resetting_proxy(int(sender.endpoint.rsplit(":", 1)[1]))
-        try:
-            port = proxy.sockets[0].getsockname()[1]
-            via = msgspec.structs.replace(desc, endpoint=f"tcp://127.0.0.1:{port}")
-            rx.decode_descriptor(msgspec.msgpack.encode(via))  # prefetches it
-            async with asyncio.timeout(STEP):
-                while rx.statistics().errors == 0:  # noqa: ASYNC110  (the reset lands)
-                    await asyncio.sleep(0.02)
-            await rx.release(via)
-            async with asyncio.timeout(STEP):
-                while sender.held_bytes:  # noqa: ASYNC110  (the drop reaches the producer)
                     await asyncio.sleep(0.02)
         finally:
             proxy.close()
