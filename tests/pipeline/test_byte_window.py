@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from pipeline import ConfigError
+from pipeline import _channel as channel_module
 from pipeline._channel import InputChannel, OutputChannel, SendTarget, file_run
 from pipeline._errors import EndOfChannel, RequestAborted
 from pipeline._messages import Chunks, Credit, decode_batch, encode_batch
@@ -182,7 +183,10 @@ async def test_an_envelope_delivered_twice_leaves_the_original_readable() -> Non
                 for run in decode_batch(frame):
                     assert isinstance(run, Chunks)
                     file_run(wire.inflow, run, wire.inp.admit(run))
-        await asyncio.sleep(0.05)  # any release the repeat started has run
+        async with asyncio.timeout(5):
+            # Releases run as background tasks: wait until any the repeat started is done.
+            while channel_module._background:  # noqa: ASYNC110
+                await asyncio.sleep(0)
         assert wire.inflow.buffer.duplicates == 4  # three chunks and the end, again
         assert [(await wire.inp.next(wire.inflow)).seq for _ in range(3)] == [0, 1, 2]
     finally:

@@ -121,9 +121,18 @@ async def test_requests_waiting_for_admission_when_the_pipeline_closes_are_abort
     s = spec({"echo": ":Echo"}, [], max_inflight=1)
     async with Pipeline(s) as pipe:
         running = asyncio.ensure_future(pipe.submit(Text("sleep 10")))
-        await asyncio.sleep(0.2)
+
+        async def admitted() -> bool:
+            return (await pipe.statistics())["client"]["active"] == 1
+
+        await wait_for(admitted)
         waiting = [asyncio.ensure_future(pipe.submit(Text(f"w{i}"))) for i in range(3)]
-        await asyncio.sleep(0.2)
+        slots = pipe._master_or_fail().orch._slots  # private: what the three wait on
+
+        async def queued() -> bool:
+            return len(slots._waiters or ()) == 3
+
+        await wait_for(queued)
     done, pending = await asyncio.wait([running, *waiting], timeout=10)
     assert not pending
     for task in done:

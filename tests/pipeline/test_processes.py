@@ -220,7 +220,10 @@ async def test_closing_while_a_crashed_worker_is_respawned_leaves_no_process(
 
     async def slow_spawn(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
         closing.append(asyncio.ensure_future(pipe.aclose()))  # the user's async with ends
-        await asyncio.sleep(0.3)
+        launcher = pipe._launcher
+        assert launcher is not None
+        # The spawn goes on only once the launcher has begun closing.
+        await wait_for(lambda: asyncio.sleep(0, launcher._closing), timeout=10)
         return await real(*args, **kwargs)
 
     started: list[int] = []
@@ -271,7 +274,11 @@ async def test_a_worker_restarted_with_the_same_pid_takes_its_slot_back() -> Non
     try:
         async with asyncio.timeout(60):
             starting = asyncio.ensure_future(pipe.start(launch=False))
-            await asyncio.sleep(0.3)
+
+            async def bound() -> bool:
+                return pipe._master is not None and bool(pipe._master.endpoint)
+
+            await wait_for(bound)
             procs.append(worker(pipe.master_endpoint))
             await starting
             assert await pipe.submit(Text("one")) == Text("one")

@@ -559,17 +559,26 @@ async def test_late_acks_of_an_abandoned_receiver_free_none_of_a_new_fetch() -> 
             first = await sender.put(_key(), Encoded(b"", (bytearray(b"\x01" * MiB),)), timeout=5)
             dealer.connect(sender.endpoint)
             await dealer.send(msgspec.msgpack.encode(Control([Fetch(0, first.token, first.sizes)])))
-            await asyncio.sleep(1.0)  # no ack for fetch_timeout: the sender abandons it
-            assert sender.statistics().errors >= 1
+            async with asyncio.timeout(STEP):
+                # No ack for fetch_timeout: the sender abandons the receiver, an error.
+                while not sender.statistics().errors:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
             second = await sender.put(
                 _key(), Encoded(b"", (bytearray(b"\x02" * (16 * MiB)),)), timeout=5
             )
             await dealer.send(
                 msgspec.msgpack.encode(Control([Fetch(1, second.token, second.sizes)]))
             )
-            await asyncio.sleep(0.2)
+            server = sender._server  # private: when it serves, and takes acks
+            async with asyncio.timeout(STEP):
+                # Served: the second payload's messages are out, awaiting acks.
+                while not any(p.unacked for p in server._peers.values()):  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            owed = dict(server._owed)
             await dealer.send(msgspec.msgpack.encode(Control(ack=2)))  # the overdue acks
-            await asyncio.sleep(0.2)
+            async with asyncio.timeout(STEP):
+                while server._owed == owed:  # noqa: ASYNC110  (the overdue acks are counted)
+                    await asyncio.sleep(0.01)
             await sender.put(_key(), Encoded(b"", (bytearray(b"\x03" * (16 * MiB)),)), timeout=5)
             msgs = [await _within(dealer.recv_multipart()) for _ in range(4)]
             part = msgspec.msgpack.decode(msgs[3][0], type=Part)
