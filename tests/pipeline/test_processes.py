@@ -58,6 +58,31 @@ async def test_setup_failure_fails_start_and_leaves_nothing() -> None:
     await _gone(children(os.getpid()))
 
 
+async def test_a_setup_error_heard_after_its_worker_exited_still_fails_start_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker whose setup raised exits right after it says so, and the master may see
+    the exit first. Start-up must still fail with the setup's message, not an exit code.
+    (The setup error of a replica already declared dead was ignored.) The race is forced:
+    the exit is declared just before the master reads the setup error."""
+    from pipeline import _master
+    from pipeline._messages import SetupFailed
+
+    on_control = _master.Master._on_control
+
+    def exit_seen_first(self: _master.Master, frames: list[bytes]) -> None:
+        msg = _master._decode(frames[1]) if len(frames) == 2 else None
+        if isinstance(msg, SetupFailed):
+            self.replica_lost(msg.stage, msg.replica, "exited with code 1")
+        on_control(self, frames)
+
+    monkeypatch.setattr(_master.Master, "_on_control", exit_seen_first)
+    with pytest.raises(PipelineError, match="weights file is missing"):
+        async with Pipeline(spec({"a": ":Echo", "b": ":BrokenSetup"}, [("a", "b")])):
+            pytest.fail("started despite a broken stage")
+    await _gone(children(os.getpid()))
+
+
 async def test_a_worker_dead_before_registering_fails_start_at_once() -> None:
     """A worker that exits before it registers (here its interpreter cannot start) fails
     start-up as soon as it exits, naming the replica, instead of at startup_timeout."""
@@ -172,6 +197,41 @@ async def test_ctrl_c_stops_run_and_every_worker(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("moment", ["importing", "in-setup"])
+async def test_ctrl_c_during_start_up_is_quiet_and_leaves_no_worker(
+    tmp_path: Path, moment: str
+) -> None:
+    """SIGINT to the run's process group while its workers still import, or sit in a setup
+    that never returns, exits 130 with one line and no traceback, and no worker remains.
+    (Workers shared the run's process group, so the Ctrl-C reached them mid-import and each
+    printed a KeyboardInterrupt traceback.)"""
+    cfg = _write_config(tmp_path, stage="HangingSetup", replicas=2)
+    proc = _stagewire(tmp_path, "run", str(cfg), "--input", '{"value": "x"}', "--requests", "1")
+    workers: list[int] = []
+    try:
+        workers = await _workers_of(proc, 2)
+        if moment == "in-setup":
+
+            async def registered() -> bool:
+                return (tmp_path / "err").read_text().count("replica_registered") >= 2
+
+            await wait_for(registered, timeout=30)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = await asyncio.to_thread(proc.wait, 30)
+        err = (tmp_path / "err").read_text()
+        assert code == 130, err
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        assert "interrupted" in err
+        await _gone(workers, timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in workers:  # started by this test: none may outlive it, even on failure
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(
