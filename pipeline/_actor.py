@@ -58,6 +58,9 @@ FINISHED_MEMORY = 65536
 #: A handler that computed this long for one chunk, with no batch leaving meanwhile, is
 #: compute-bound: its chunks leave as they come (see :class:`_Pacer`).
 EAGER_SEND_S = 100e-6
+#: The longest a handler that never suspends holds its quickly made chunks before they
+#: leave as one batch (see :class:`_Pacer`).
+HOLD_S = 1e-3
 
 
 def _own_cancel(stage: str) -> RuntimeError:
@@ -77,23 +80,27 @@ class _Pacer:
     (a prefill layer, a decode step) would then send all its chunks at its end. So after
     each chunk: if producing it took longer than :data:`EAGER_SEND_S`, what is queued
     leaves now, since the next chunk will likely take as long. Streams of quick chunks
-    still batch.
+    still batch, for at most :data:`HOLD_S` while their handler does not suspend.
 
     Whether a batch left while the chunk was made does not matter: a chunk queued after
     an await (a transport's put, say) would otherwise wait for the whole next computation.
     """
 
-    __slots__ = ("_last", "_outbox")
+    __slots__ = ("_flushed", "_last", "_outbox")
 
     def __init__(self, outbox: Outbox) -> None:
         self._outbox = outbox
-        self._last = time.perf_counter()
+        self._last = self._flushed = time.perf_counter()
 
     def sent(self) -> None:
         """Note that a chunk was queued, and send it at once if the handler is slow."""
         now = time.perf_counter()
-        if now - self._last > EAGER_SEND_S:
+        if now - self._last > EAGER_SEND_S or now - self._flushed > HOLD_S:
             self._outbox.flush()  # nothing queued: nothing happens
+            # The send's own time (a system call that wakes the reader, hundreds of
+            # microseconds on a small VM) is not time spent making the next chunk: a chunk
+            # made quickly right after this one (a stream's summary) joins the next batch.
+            now = self._flushed = time.perf_counter()
         self._last = now
 
 

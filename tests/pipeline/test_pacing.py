@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pipeline._actor import EAGER_SEND_S, _Pacer
+from pipeline._actor import EAGER_SEND_S, HOLD_S, _Pacer
 from pipeline._sockets import Outbox
 
 
@@ -58,3 +58,43 @@ async def test_a_chunk_queued_after_a_batch_left_still_leaves_at_once() -> None:
     outbox.send("peer", b"\x02")  # then the chunk
     pacer.sent()
     assert len(outbox.frames) == 2
+
+
+class _SlowWire(_Captured):
+    """Each frame takes a while to leave, as a cold ``sendmsg`` that wakes its reader does."""
+
+    def _transmit(self, endpoint: str, frame: bytes) -> None:
+        _compute(3 * EAGER_SEND_S)
+        super()._transmit(endpoint, frame)
+
+
+async def test_a_quick_chunk_after_a_slow_send_joins_the_next_batch() -> None:
+    """The last tokens of a stream, then at once its summary, then its end: the summary
+    must not leave alone just because sending the tokens took long. (The send's own time
+    counted as the summary's making, so each went out in a frame of its own.)"""
+    outbox = _SlowWire()
+    pacer = _Pacer(outbox)
+    _compute(3 * EAGER_SEND_S)
+    outbox.send("peer", b"\x01")  # the last tokens, slowly made: they leave at once
+    pacer.sent()
+    outbox.send("peer", b"\x02")  # the summary, made at once
+    pacer.sent()
+    assert len(outbox.frames) == 1
+    outbox.send("peer", b"\x03")  # the stream's end
+    outbox.flush()
+    assert len(outbox.frames) == 2  # the summary and the end in one
+
+
+async def test_quick_chunks_of_a_handler_that_never_suspends_leave_every_hold_period() -> None:
+    """Chunks each made a little faster than the eager limit, by a handler that never
+    awaits: they batch, but none waits past the hold period for the handler's end."""
+    outbox = _Captured()
+    pacer = _Pacer(outbox)
+    start = time.perf_counter()
+    sent = 0
+    while time.perf_counter() - start < 5 * HOLD_S:
+        _compute(EAGER_SEND_S / 2)
+        outbox.send("peer", bytes([sent % 256]))
+        pacer.sent()
+        sent += 1
+    assert 3 <= len(outbox.frames) < sent / 2  # batches, each within a hold period
