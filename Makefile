@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-text test lint bench bench-transports clean install
+.PHONY: demo demo-text test soak lint bench bench-transports clean install
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -m "not soak" $(PYTEST_ARGS)
+
+# Long load tests, bounded in time: STAGEWIRE_SOAK_SECONDS per test (90 by default).
+soak: $(STAMP)
+	$(BIN)/python -m pytest -m soak -s $(PYTEST_ARGS)
 
 # The reference pipeline (a tiny vision-language model in four stages): one response
 # streamed as it is decoded, then a batch with a progress bar, then the figures.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -415,10 +416,17 @@ class StageActor:
                     else:
                         kwargs[param] = await self._single(req, edge)
                 await self._produce(req, ctx, kwargs)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as exc:
                 task = asyncio.current_task()
                 if task is None or task.cancelling():
-                    raise  # this request was cancelled: aborted, or the replica is closing
+                    # This request was cancelled: aborted, or the replica is closing. The
+                    # task keeps the error, whose traceback keeps the handler's finished
+                    # frames and their locals: payloads read in place (shm tensors), whose
+                    # transport holds them until they die. The task, the request and its
+                    # context refer to each other, so only the cycle collector would free
+                    # them, maybe long after. Their locals go now.
+                    traceback.clear_frames(exc.__traceback__)
+                    raise
                 # Something the handler awaited was cancelled, not the request. Unreported,
                 # the request would never end.
                 self._handler_failed(req, _own_cancel(self.stage))

@@ -60,6 +60,20 @@ class Verify(Stage):
         return await _verify(pieces, self.params.delay)
 
 
+class Keep(Stage):
+    """Says it has the first piece, then keeps it until its request is aborted.
+
+    Read from shm the piece's array is a view of the producer's extent, which the producer
+    holds until the view dies.
+    """
+
+    async def process(self, pieces: Stream[Piece], ctx: Context) -> AsyncIterator[Text]:
+        async for piece in pieces:
+            kept = piece
+            yield Text(f"kept {kept.seq}")
+            await asyncio.Event().wait()  # until the abort cancels this
+
+
 async def _verify(pieces: Stream[Piece] | Stream[TensorPiece], delay: float) -> Text:
     """Check each piece's position and bytes, sleeping ``delay`` after each (holding it)."""
     seen = 0

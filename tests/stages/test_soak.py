@@ -1,0 +1,188 @@
+"""Soak: the reference pipeline under sustained mixed load, over four transports at once.
+
+Marked ``soak``: ``make soak`` runs it (``make test`` does not). It runs for
+``STAGEWIRE_SOAK_SECONDS`` (90 by default) at a concurrency of 12, every request one of:
+
+- a whole response, whose tokens must equal the single-process reference's;
+- a stream left after its first chunk (``aclose``), which aborts it in every stage;
+- a corrupt image, which must fail alone with a ``StageError``.
+
+The edges go over shm, inline, network and shm, so payloads are put, fetched, released
+and reclaimed on three transports the whole time. At the end nothing may be held anywhere:
+no request state in any stage or the client, no payload held by any transport, no worker's
+memory grown past a bound after warm-up, and after close no process and no shm segment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import Pipeline, PipelineSpec, StageError
+from stages.model import TinyVLM
+from stages.payloads import DecodeChunk, VLMRequest
+from stages.samples import encode_png, sample_requests
+from tests.pipeline.conftest import settled, wait_for
+from tests.procs import alive
+from tests.stages.conftest import reference
+from transports._shm_segment import PREFIX, SHM_DIR
+
+pytestmark = pytest.mark.soak
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-vlm.yaml"
+EDGE_TRANSPORTS = {
+    ("preprocess", "encode"): "shm",
+    ("preprocess", "prefill"): "inline",
+    ("encode", "prefill"): "network",
+    ("prefill", "decode"): "shm",
+}
+CONCURRENCY = 12
+#: The most a worker's resident memory may grow from warm-up to the end (bytes).
+RSS_GROWTH_LIMIT = 64 << 20
+
+
+def _spec(cache: Path) -> PipelineSpec:
+    data: dict[str, Any] = PipelineSpec.from_yaml(CONFIG).to_dict()
+    for edge in data["edges"]:
+        edge["transport"] = {"kind": EDGE_TRANSPORTS[(edge["from"], edge["to"])]}
+    for stage in data["stages"].values():
+        stage["env"] = {"STAGEWIRE_CACHE_DIR": str(cache)}
+    return PipelineSpec.from_dict(data)
+
+
+def _inputs(seed: int) -> list[VLMRequest]:
+    """The 12 shipped samples and 12 random raw images of assorted sizes."""
+    rng = np.random.default_rng(seed)
+    raw = [
+        VLMRequest(
+            prompt=f"soak {i}: what is this?",
+            pixels=torch.from_numpy(rng.integers(0, 256, (8 + 5 * i, 60 - 2 * i, 3), np.uint8)),
+        )
+        for i in range(12)
+    ]
+    return sample_requests(12) + raw
+
+
+def _corrupt_png(rng: random.Random) -> bytes:
+    png = encode_png(np.full((16 + rng.randrange(16), 20, 3), rng.randrange(256), np.uint8))
+    at = png.index(b"IDAT") + 8
+    return png[:at] + bytes([png[at] ^ 0x55]) + png[at + 1 :]
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _segments_of(pids: set[int]) -> list[str]:
+    """shm segments whose names say one of ``pids`` created them."""
+    found = []
+    for entry in Path(SHM_DIR).iterdir():
+        name = entry.name
+        if name.startswith(PREFIX):
+            owner = name.removeprefix(PREFIX).split("-", 1)[0]
+            if owner.isdigit() and int(owner) in pids:
+                found.append(name)
+    return found
+
+
+async def _held(pipe: Pipeline) -> dict[str, int]:
+    """Payloads each producer-side transport still holds, by replica, edge and transport."""
+    held = {}
+    for r in (await pipe.statistics())["replicas"]:
+        for out in r["outputs"]:
+            for name, t in out["transports"].items():
+                held[f"{r['stage']}#{r['replica']} {out['edge']} {name}"] = t["held"]
+    return held
+
+
+async def test_mixed_load_leaves_nothing_behind(cache_dir: Path, model: TinyVLM) -> None:
+    seconds = float(os.environ.get("STAGEWIRE_SOAK_SECONDS", "90"))
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed} seconds={seconds}")
+    rng = random.Random(seed)
+    inputs = _inputs(seed)
+    max_new = PipelineSpec.from_yaml(CONFIG).stages["decode"].params["max_new_tokens"]
+    expected = [reference(model, r, max_new) for r in inputs]
+    counts = {"whole": 0, "left": 0, "bad": 0}
+    errors: list[str] = []
+
+    async with Pipeline(_spec(cache_dir)) as pipe:
+        pids = dict(pipe.worker_pids)
+        deadline = time.monotonic() + seconds
+        warm_at = time.monotonic() + min(15.0, seconds / 4)
+        warm_rss: dict[Any, int] = {}
+
+        async def one(kind: str, i: int) -> None:
+            if kind == "bad":
+                try:
+                    await pipe.submit(VLMRequest(prompt="hi", image=_corrupt_png(rng)))
+                except StageError as exc:
+                    if "corrupt or truncated PNG" not in str(exc):
+                        errors.append(f"bad input failed with {exc!r}")
+                else:
+                    errors.append("a corrupt image did not fail")
+                return
+            stream = pipe.stream(inputs[i])
+            if kind == "left":
+                async for chunk in stream:
+                    assert isinstance(chunk, DecodeChunk)
+                    break
+                await stream.aclose()
+                return
+            tokens: list[int] = []
+            final = None
+            async for chunk in stream:
+                tokens += chunk.token_ids
+                final = chunk
+            if not (isinstance(final, DecodeChunk) and final.done):
+                errors.append(f"input {i}: the stream ended without its final chunk")
+            elif tokens != expected[i] or final.generated_ids != expected[i]:
+                errors.append(f"input {i}: tokens differ from the reference")
+
+        async def client() -> None:
+            while time.monotonic() < deadline and len(errors) < 5:
+                if not warm_rss and time.monotonic() >= warm_at:
+                    warm_rss.update({k: _rss(pid) for k, pid in pids.items()})
+                kind = rng.choices(["whole", "left", "bad"], weights=[16, 2, 1])[0]
+                await asyncio.wait_for(one(kind, rng.randrange(len(inputs))), 60)
+                counts[kind] += 1
+
+        await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
+        print(counts)
+        assert not errors, errors
+        assert counts["whole"] > 0 and counts["left"] > 0 and counts["bad"] > 0, counts
+
+        await wait_for(lambda: settled(pipe), timeout=30)
+
+        async def nothing_held() -> bool:
+            return not any((await _held(pipe)).values())
+
+        try:
+            await wait_for(nothing_held, timeout=30)
+        except TimeoutError:
+            held = {k: v for k, v in (await _held(pipe)).items() if v}
+            raise AssertionError(f"payloads still held: {held}") from None
+        client_stats = (await pipe.statistics())["client"]
+        total = sum(counts.values())
+        assert client_stats["submitted"] == total, client_stats
+        assert client_stats["active"] == 0, client_stats
+        assert warm_rss, "the run ended before warm-up"
+        grown = {f"{s}#{k}": _rss(pid) - warm_rss[(s, k)] for (s, k), pid in pids.items()}
+        assert all(g < RSS_GROWTH_LIMIT for g in grown.values()), grown
+        # Still serving: the admission slots and every window came back.
+        assert (await pipe.submit(inputs[0])).generated_ids == expected[0]
+
+    worker_pids = set(pids.values())
+    assert not any(alive(p) for p in worker_pids)
+    assert not _segments_of(worker_pids)
