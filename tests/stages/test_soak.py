@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import Pipeline, PipelineSpec, StageError, StageUnavailable
+from pipeline import Pipeline, PipelineSpec, RequestTimeout, StageError, StageUnavailable
 from stages.model import TinyVLM
 from stages.payloads import DecodeChunk, VLMRequest
 from stages.samples import encode_png, sample_requests
@@ -52,8 +52,9 @@ CONCURRENCY = 12
 RSS_GROWTH_LIMIT = 64 << 20
 
 
-def _spec(cache: Path, replicas: int = 1) -> PipelineSpec:
+def _spec(cache: Path, replicas: int = 1, **defaults: Any) -> PipelineSpec:
     data: dict[str, Any] = PipelineSpec.from_yaml(CONFIG).to_dict()
+    data["defaults"].update(defaults)
     data["stages"]["prefill"]["replicas"] = data["stages"]["decode"]["replicas"] = replicas
     for edge in data["edges"]:
         edge["transport"] = {"kind": EDGE_TRANSPORTS[(edge["from"], edge["to"])]}
@@ -274,3 +275,66 @@ async def test_kill_9_under_load_fails_only_the_victims_requests(
 
     assert not any(alive(p) for p in started)
     assert not _segments_of(started)
+
+
+async def test_requests_past_their_deadline_leave_nothing_behind(
+    cache_dir: Path, model: TinyVLM
+) -> None:
+    """Under the same load with a request timeout at the median latency, about half the
+    requests pass their deadline wherever they then are, and the master aborts them. Each
+    request is exact or a RequestTimeout, and at the end nothing is held anywhere."""
+    seconds = float(os.environ.get("STAGEWIRE_SOAK_SECONDS", "90"))
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed} seconds={seconds}")
+    rng = random.Random(seed)
+    inputs = _inputs(seed)
+    max_new = PipelineSpec.from_yaml(CONFIG).stages["decode"].params["max_new_tokens"]
+    expected = [reference(model, r, max_new) for r in inputs]
+    counts = {"exact": 0, "timed_out": 0}
+    errors: list[str] = []
+    # The deadline is the median latency under this load, measured first: about half the
+    # requests pass it, whatever this machine's speed.
+    async with Pipeline(_spec(cache_dir)) as pipe:
+        latencies: list[float] = []
+
+        async def timed() -> None:
+            for _ in range(8):
+                t0 = time.perf_counter()
+                await pipe.submit(inputs[rng.randrange(len(inputs))])
+                latencies.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(timed() for _ in range(CONCURRENCY)))
+    timeout_ms = max(20, round(sorted(latencies)[len(latencies) // 2] * 1e3))
+    print(f"request_timeout={timeout_ms}ms")
+    async with Pipeline(_spec(cache_dir, request_timeout=f"{timeout_ms}ms")) as pipe:
+        deadline = time.monotonic() + seconds
+
+        async def client() -> None:
+            while time.monotonic() < deadline and len(errors) < 5:
+                i = rng.randrange(len(inputs))
+                try:
+                    final = await asyncio.wait_for(pipe.submit(inputs[i]), 60)
+                except RequestTimeout:
+                    counts["timed_out"] += 1
+                    continue
+                except Exception as exc:
+                    errors.append(f"input {i} failed with {exc!r}")
+                    continue
+                if not isinstance(final, DecodeChunk) or final.generated_ids != expected[i]:
+                    errors.append(f"input {i}: tokens differ from the reference")
+                counts["exact"] += 1
+
+        await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
+        print(counts)
+        assert not errors, errors
+        assert counts["exact"] and counts["timed_out"], counts
+        await wait_for(lambda: settled(pipe), timeout=30)
+
+        async def nothing_held() -> bool:
+            return not any((await _held(pipe)).values())
+
+        try:
+            await wait_for(nothing_held, timeout=30)
+        except TimeoutError:
+            held = {k: v for k, v in (await _held(pipe)).items() if v}
+            raise AssertionError(f"payloads still held: {held}") from None
