@@ -417,22 +417,25 @@ class StageActor:
                         kwargs[param] = await self._single(req, edge)
                 await self._produce(req, ctx, kwargs)
             except asyncio.CancelledError as exc:
+                # The error that ends a handler keeps, through its traceback, the handler's
+                # finished frames and their locals: payloads read in place (shm tensors) among
+                # them, which their transport holds until they die. The error is kept where
+                # it refers back to itself (the task keeps it and the request; a request's
+                # buffers keep its failure, which the request's frames keep), so only the
+                # cycle collector would free them, maybe long after in an idle worker. So the
+                # locals of those frames go as the error leaves, once reported.
                 task = asyncio.current_task()
                 if task is None or task.cancelling():
-                    # This request was cancelled: aborted, or the replica is closing. The
-                    # task keeps the error, whose traceback keeps the handler's finished
-                    # frames and their locals: payloads read in place (shm tensors), whose
-                    # transport holds them until they die. The task, the request and its
-                    # context refer to each other, so only the cycle collector would free
-                    # them, maybe long after. Their locals go now.
                     traceback.clear_frames(exc.__traceback__)
-                    raise
+                    raise  # this request was cancelled: aborted, or the replica is closing
                 # Something the handler awaited was cancelled, not the request. Unreported,
                 # the request would never end.
                 self._handler_failed(req, _own_cancel(self.stage))
+                traceback.clear_frames(exc.__traceback__)
                 return
             except Exception as exc:
                 self._handler_failed(req, exc)
+                traceback.clear_frames(exc.__traceback__)
                 return
             self.counts["completed"] += 1
             self.latency.add((time.perf_counter() - t0) * 1e6)

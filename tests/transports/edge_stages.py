@@ -61,16 +61,23 @@ class Verify(Stage):
 
 
 class Keep(Stage):
-    """Says it has the first piece, then keeps it until its request is aborted.
+    """Says it has the first piece, then keeps it until its request is aborted, or with
+    ``fail`` raises while it holds the piece.
 
     Read from shm the piece's array is a view of the producer's extent, which the producer
     holds until the view dies.
     """
 
+    class Params(BaseModel):
+        fail: bool = False
+
     async def process(self, pieces: Stream[Piece], ctx: Context) -> AsyncIterator[Text]:
+        assert isinstance(self.params, Keep.Params)
         async for piece in pieces:
             kept = piece
             yield Text(f"kept {kept.seq}")
+            if self.params.fail:
+                raise RuntimeError(f"failed holding piece {kept.seq}")
             await asyncio.Event().wait()  # until the abort cancels this
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from pipeline import ConfigError, Pipeline, PipelineSpec, StageUnavailable
+from pipeline import ConfigError, Pipeline, PipelineSpec, StageError, StageUnavailable
 from stages.text import Text
 from tests.pipeline.conftest import settled, wait_for
 from transports.shm import list_segments
@@ -119,14 +119,19 @@ async def test_shm_extents_are_all_released(mixed: Pipeline) -> None:
                 assert shm["held"] == 0, f"{replica['stage']} still holds {shm}"
 
 
-async def test_an_extent_read_in_place_by_an_aborted_handler_comes_back_at_once() -> None:
+async def _drained(stream: AsyncIterator[Text]) -> list[Text]:
+    return [out async for out in stream]
+
+
+@pytest.mark.parametrize("end", ["aborted", "failed"])
+async def test_an_extent_read_in_place_by_an_ended_handler_comes_back_at_once(end: str) -> None:
     """A handler that holds a piece it read in place (a view of an shm extent) when its
-    request is aborted lets go of it with the request: the producer's extent comes back
-    at once. (The cancelled task kept the handler's frames, and so the view, in a
-    reference cycle that only the consumer's garbage collector would free, and an idle
-    worker may not run it for a long time.)"""
+    request is aborted, or when it raises, lets go of it with the request: the producer's
+    extent comes back at once. (The handler's frames, and so the view, stayed in a
+    reference cycle through the error that ended them, which only the consumer's garbage
+    collector would free, and an idle worker may not run it for a long time.)"""
     data: dict[str, Any] = _spec(transport="shm", sizes=[16 * 1024]).to_dict()
-    data["stages"]["sink"].update(impl=f"{STAGES}:Keep", params={})
+    data["stages"]["sink"].update(impl=f"{STAGES}:Keep", params={"fail": end == "failed"})
     async with Pipeline(PipelineSpec.from_dict(data)) as pipe:
 
         async def held() -> int:
@@ -137,17 +142,20 @@ async def test_an_extent_read_in_place_by_an_aborted_handler_comes_back_at_once(
                 for out in replica["outputs"]
             )
 
+        async def released() -> bool:
+            return await held() == 0
+
         for _ in range(3):
             stream = pipe.stream(Text("2"))
-            async for out in stream:
-                assert out == Text("kept 0")
-                break
-            assert await held() >= 1  # the kept piece, at least
-            await stream.aclose()
-
-            async def released() -> bool:
-                return await held() == 0
-
+            if end == "aborted":
+                async for out in stream:
+                    assert out == Text("kept 0")
+                    break
+                assert await held() >= 1  # the kept piece, at least
+                await stream.aclose()
+            else:
+                with pytest.raises(StageError, match="failed holding piece 0"):
+                    await _drained(stream)
             await wait_for(released, timeout=10)
         await wait_for(lambda: settled(pipe))
 
