@@ -168,6 +168,16 @@ def _stagewire(tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
         )
 
 
+def _stop(proc: subprocess.Popen[bytes], workers: list[int]) -> None:
+    """Kill the run and its workers if the test left them running: none may outlive it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in workers:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 async def _workers_of(proc: subprocess.Popen[bytes], count: int) -> list[int]:
     async def up() -> bool:
         return len(children(proc.pid)) >= count
@@ -226,12 +236,7 @@ async def test_ctrl_c_during_start_up_is_quiet_and_leaves_no_worker(
         assert "interrupted" in err
         await _gone(workers, timeout=15)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in workers:  # started by this test: none may outlive it, even on failure
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _stop(proc, workers)
 
 
 @pytest.mark.parametrize(
@@ -259,12 +264,7 @@ async def test_kill_9_master_takes_its_workers_down(
         proc.wait()
         await _gone(workers, timeout=15)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in workers:  # started by this test: none may outlive it, even on failure
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _stop(proc, workers)
 
 
 async def test_closing_while_a_crashed_worker_is_respawned_leaves_no_process(

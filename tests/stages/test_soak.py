@@ -111,21 +111,62 @@ async def _held(pipe: Pipeline) -> dict[str, int]:
     return held
 
 
+class _Run:
+    """One soak run's duration, seeded randomness, inputs and their reference tokens."""
+
+    def __init__(self, model: TinyVLM) -> None:
+        self.seconds = float(os.environ.get("STAGEWIRE_SOAK_SECONDS", "90"))
+        seed = random.randrange(1 << 30)
+        print(f"seed={seed} seconds={self.seconds}")
+        self.rng = random.Random(seed)
+        self.inputs = _inputs(seed)
+        max_new = PipelineSpec.from_yaml(CONFIG).stages["decode"].params["max_new_tokens"]
+        self.expected = [reference(model, r, max_new) for r in self.inputs]
+        self.errors: list[str] = []
+
+    async def exact_or(
+        self, pipe: Pipeline, allowed: type[Exception], counts: dict[str, int], name: str
+    ) -> None:
+        """One client until the end of the run: whole responses, each exact or ``allowed``."""
+        deadline = time.monotonic() + self.seconds
+        while time.monotonic() < deadline and len(self.errors) < 5:
+            i = self.rng.randrange(len(self.inputs))
+            try:
+                final = await asyncio.wait_for(pipe.submit(self.inputs[i]), 60)
+            except allowed:
+                counts[name] += 1
+                continue
+            except Exception as exc:
+                self.errors.append(f"input {i} failed with {exc!r}")
+                continue
+            if not isinstance(final, DecodeChunk) or final.generated_ids != self.expected[i]:
+                self.errors.append(f"input {i}: tokens differ from the reference")
+            counts["exact"] += 1
+
+
+async def _nothing_held(pipe: Pipeline) -> None:
+    """Wait until no request state and no payload is held anywhere; fail saying what is."""
+    await wait_for(lambda: settled(pipe), timeout=30)
+
+    async def none() -> bool:
+        return not any((await _held(pipe)).values())
+
+    try:
+        await wait_for(none, timeout=30)
+    except TimeoutError:
+        held = {k: v for k, v in (await _held(pipe)).items() if v}
+        raise AssertionError(f"payloads still held: {held}") from None
+
+
 async def test_mixed_load_leaves_nothing_behind(cache_dir: Path, model: TinyVLM) -> None:
-    seconds = float(os.environ.get("STAGEWIRE_SOAK_SECONDS", "90"))
-    seed = random.randrange(1 << 30)
-    print(f"seed={seed} seconds={seconds}")
-    rng = random.Random(seed)
-    inputs = _inputs(seed)
-    max_new = PipelineSpec.from_yaml(CONFIG).stages["decode"].params["max_new_tokens"]
-    expected = [reference(model, r, max_new) for r in inputs]
+    run = _Run(model)
+    rng, inputs, expected, errors = run.rng, run.inputs, run.expected, run.errors
     counts = {"whole": 0, "left": 0, "cancelled": 0, "bad": 0}
-    errors: list[str] = []
 
     async with Pipeline(_spec(cache_dir)) as pipe:
         pids = dict(pipe.worker_pids)
-        deadline = time.monotonic() + seconds
-        warm_at = time.monotonic() + min(15.0, seconds / 4)
+        deadline = time.monotonic() + run.seconds
+        warm_at = time.monotonic() + min(15.0, run.seconds / 4)
         warm_rss: dict[Any, int] = {}
 
         async def one(kind: str, i: int) -> None:
@@ -172,17 +213,7 @@ async def test_mixed_load_leaves_nothing_behind(cache_dir: Path, model: TinyVLM)
         print(counts)
         assert not errors, errors
         assert all(counts.values()), counts
-
-        await wait_for(lambda: settled(pipe), timeout=30)
-
-        async def nothing_held() -> bool:
-            return not any((await _held(pipe)).values())
-
-        try:
-            await wait_for(nothing_held, timeout=30)
-        except TimeoutError:
-            held = {k: v for k, v in (await _held(pipe)).items() if v}
-            raise AssertionError(f"payloads still held: {held}") from None
+        await _nothing_held(pipe)
         client_stats = (await pipe.statistics())["client"]
         total = sum(counts.values())
         assert client_stats["submitted"] == total, client_stats
@@ -206,72 +237,47 @@ async def test_kill_9_under_load_fails_only_the_victims_requests(
     turn. Only requests in flight on a victim may fail, each with StageUnavailable; every
     other response stays exact; each victim is restarted and serves again. At the end
     nothing is held, no dead worker's segment is left, and after close no segment at all."""
-    seconds = float(os.environ.get("STAGEWIRE_SOAK_SECONDS", "90"))
-    seed = random.randrange(1 << 30)
-    print(f"seed={seed} seconds={seconds}")
-    rng = random.Random(seed)
-    inputs = _inputs(seed)
-    max_new = PipelineSpec.from_yaml(CONFIG).stages["decode"].params["max_new_tokens"]
-    expected = [reference(model, r, max_new) for r in inputs]
+    run = _Run(model)
     victims = [("prefill", 0), ("decode", 1), ("decode", 0), ("prefill", 1)]
     counts = {"exact": 0, "unavailable": 0}
-    errors: list[str] = []
     started: set[int] = set()
 
     async with Pipeline(_spec(cache_dir, replicas=2)) as pipe:
-        deadline = time.monotonic() + seconds
-
-        async def client() -> None:
-            while time.monotonic() < deadline and len(errors) < 5:
-                i = rng.randrange(len(inputs))
-                try:
-                    final = await asyncio.wait_for(pipe.submit(inputs[i]), 60)
-                except StageUnavailable:
-                    counts["unavailable"] += 1
-                    continue
-                except Exception as exc:
-                    errors.append(f"input {i} failed with {exc!r}")
-                    continue
-                if not isinstance(final, DecodeChunk) or final.generated_ids != expected[i]:
-                    errors.append(f"input {i}: tokens differ from the reference")
-                counts["exact"] += 1
-
-        async def killer() -> None:
-            pause = seconds / (len(victims) + 1)
-            for key in victims:
-                await asyncio.sleep(pause)
-                started.update(pipe.worker_pids.values())
-                os.kill(pipe.worker_pids[key], signal.SIGKILL)
-
-        await asyncio.gather(killer(), *(client() for _ in range(CONCURRENCY)))
-        print(counts)
-        assert not errors, errors
-        # Each kill fails at most the requests then in flight on its victim.
-        assert counts["unavailable"] <= len(victims) * CONCURRENCY, counts
-        assert counts["exact"] > 10 * counts["unavailable"], counts
 
         async def all_back() -> bool:
             stats = await pipe.statistics()
             return len(stats["replicas"]) == 6 and len(pipe.worker_pids) == 6
 
+        async def killer() -> None:
+            pause = run.seconds / (len(victims) + 1)
+            for key in victims:
+                await asyncio.sleep(pause)
+                # The previous victim serves again: a stage has a live replica at each kill
+                # (with none, new requests fail at once, as they should).
+                await wait_for(all_back, timeout=60)
+                started.update(pipe.worker_pids.values())
+                os.kill(pipe.worker_pids[key], signal.SIGKILL)
+
+        clients = (
+            run.exact_or(pipe, StageUnavailable, counts, "unavailable") for _ in range(CONCURRENCY)
+        )
+        await asyncio.gather(killer(), *clients)
+        print(counts)
+        assert not run.errors, run.errors
+        # Each kill fails at most the requests then in flight on its victim.
+        assert counts["unavailable"] <= len(victims) * CONCURRENCY, counts
+        assert counts["exact"] > 10 * counts["unavailable"], counts
+
         await wait_for(all_back, timeout=30)
-        await wait_for(lambda: settled(pipe), timeout=30)
-
-        async def nothing_held() -> bool:
-            return not any((await _held(pipe)).values())
-
-        try:
-            await wait_for(nothing_held, timeout=30)
-        except TimeoutError:
-            held = {k: v for k, v in (await _held(pipe)).items() if v}
-            raise AssertionError(f"payloads still held: {held}") from None
+        await _nothing_held(pipe)
         started.update(pipe.worker_pids.values())
         dead = {pid for pid in started if not alive(pid)}
         assert len(dead) == len(victims)
         assert not _segments_of(dead)
         # Every replica serves: a burst spread over all of them is exact.
-        outs = await asyncio.gather(*(pipe.submit(inputs[k % len(inputs)]) for k in range(24)))
-        assert [o.generated_ids for o in outs] == [expected[k % len(inputs)] for k in range(24)]
+        n = len(run.inputs)
+        outs = await asyncio.gather(*(pipe.submit(run.inputs[k % n]) for k in range(24)))
+        assert [o.generated_ids for o in outs] == [run.expected[k % n] for k in range(24)]
 
     assert not any(alive(p) for p in started)
     assert not _segments_of(started)
@@ -283,15 +289,8 @@ async def test_requests_past_their_deadline_leave_nothing_behind(
     """Under the same load with a request timeout at the median latency, about half the
     requests pass their deadline wherever they then are, and the master aborts them. Each
     request is exact or a RequestTimeout, and at the end nothing is held anywhere."""
-    seconds = float(os.environ.get("STAGEWIRE_SOAK_SECONDS", "90"))
-    seed = random.randrange(1 << 30)
-    print(f"seed={seed} seconds={seconds}")
-    rng = random.Random(seed)
-    inputs = _inputs(seed)
-    max_new = PipelineSpec.from_yaml(CONFIG).stages["decode"].params["max_new_tokens"]
-    expected = [reference(model, r, max_new) for r in inputs]
+    run = _Run(model)
     counts = {"exact": 0, "timed_out": 0}
-    errors: list[str] = []
     # The deadline is the median latency under this load, measured first: about half the
     # requests pass it, whatever this machine's speed.
     async with Pipeline(_spec(cache_dir)) as pipe:
@@ -300,41 +299,18 @@ async def test_requests_past_their_deadline_leave_nothing_behind(
         async def timed() -> None:
             for _ in range(8):
                 t0 = time.perf_counter()
-                await pipe.submit(inputs[rng.randrange(len(inputs))])
+                await pipe.submit(run.inputs[run.rng.randrange(len(run.inputs))])
                 latencies.append(time.perf_counter() - t0)
 
         await asyncio.gather(*(timed() for _ in range(CONCURRENCY)))
     timeout_ms = max(20, round(sorted(latencies)[len(latencies) // 2] * 1e3))
     print(f"request_timeout={timeout_ms}ms")
     async with Pipeline(_spec(cache_dir, request_timeout=f"{timeout_ms}ms")) as pipe:
-        deadline = time.monotonic() + seconds
-
-        async def client() -> None:
-            while time.monotonic() < deadline and len(errors) < 5:
-                i = rng.randrange(len(inputs))
-                try:
-                    final = await asyncio.wait_for(pipe.submit(inputs[i]), 60)
-                except RequestTimeout:
-                    counts["timed_out"] += 1
-                    continue
-                except Exception as exc:
-                    errors.append(f"input {i} failed with {exc!r}")
-                    continue
-                if not isinstance(final, DecodeChunk) or final.generated_ids != expected[i]:
-                    errors.append(f"input {i}: tokens differ from the reference")
-                counts["exact"] += 1
-
-        await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
+        clients = (
+            run.exact_or(pipe, RequestTimeout, counts, "timed_out") for _ in range(CONCURRENCY)
+        )
+        await asyncio.gather(*clients)
         print(counts)
-        assert not errors, errors
+        assert not run.errors, run.errors
         assert counts["exact"] and counts["timed_out"], counts
-        await wait_for(lambda: settled(pipe), timeout=30)
-
-        async def nothing_held() -> bool:
-            return not any((await _held(pipe)).values())
-
-        try:
-            await wait_for(nothing_held, timeout=30)
-        except TimeoutError:
-            held = {k: v for k, v in (await _held(pipe)).items() if v}
-            raise AssertionError(f"payloads still held: {held}") from None
+        await _nothing_held(pipe)
