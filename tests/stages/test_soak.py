@@ -1,7 +1,9 @@
-"""Soak: the reference pipeline under sustained mixed load, over four transports at once.
+"""Soak: the reference pipeline under sustained load, with cancellations, failures, kill -9
+of replicas, and requests past their deadline.
 
-Marked ``soak``: ``make soak`` runs it (``make test`` does not). It runs for
-``STAGEWIRE_SOAK_SECONDS`` (90 by default) at a concurrency of 12, every request one of:
+Marked ``soak``: ``make soak`` runs these (``make test`` does not). Each runs for
+``STAGEWIRE_SOAK_SECONDS`` (90 by default) at a concurrency of 12. In the mixed load every
+request is one of:
 
 - a whole response, whose tokens must equal the single-process reference's;
 - a stream left after its first chunk (``aclose``), which aborts it in every stage;
@@ -10,9 +12,11 @@ Marked ``soak``: ``make soak`` runs it (``make test`` does not). It runs for
 - a corrupt image, which must fail alone with a ``StageError``.
 
 The edges go over shm, inline, network and shm, so payloads are put, fetched, released
-and reclaimed on three transports the whole time. At the end nothing may be held anywhere:
-no request state in any stage or the client, no payload held by any transport, no worker's
-memory grown past a bound after warm-up, and after close no process and no shm segment.
+and reclaimed on three transports the whole time; a second run puts every edge on an shm
+arena too small for the load, whose payloads wait for room and fall back to network.
+At the end nothing may be held anywhere: no request state in any stage or the client, no
+payload held by any transport, no worker's memory grown past a bound after warm-up, and
+after close no process and no shm segment.
 """
 
 from __future__ import annotations
@@ -52,12 +56,23 @@ CONCURRENCY = 12
 RSS_GROWTH_LIMIT = 64 << 20
 
 
-def _spec(cache: Path, replicas: int = 1, **defaults: Any) -> PipelineSpec:
+#: Every edge on shm with an arena for two KV layers, falling back to network when it
+#: stays full for 2 ms: under load most payloads wait for room, and many fall back.
+TIGHT_SHM = {
+    "kind": "shm",
+    "options": {"capacity": "64KiB"},
+    "fallback": "network",
+    "full_timeout": "2ms",
+}
+
+
+def _spec(cache: Path, replicas: int = 1, *, tight: bool = False, **defaults: Any) -> PipelineSpec:
     data: dict[str, Any] = PipelineSpec.from_yaml(CONFIG).to_dict()
     data["defaults"].update(defaults)
     data["stages"]["prefill"]["replicas"] = data["stages"]["decode"]["replicas"] = replicas
     for edge in data["edges"]:
-        edge["transport"] = {"kind": EDGE_TRANSPORTS[(edge["from"], edge["to"])]}
+        pinned = {"kind": EDGE_TRANSPORTS[(edge["from"], edge["to"])]}
+        edge["transport"] = TIGHT_SHM if tight else pinned
     for stage in data["stages"].values():
         stage["env"] = {"STAGEWIRE_CACHE_DIR": str(cache)}
     return PipelineSpec.from_dict(data)
@@ -158,12 +173,17 @@ async def _nothing_held(pipe: Pipeline) -> None:
         raise AssertionError(f"payloads still held: {held}") from None
 
 
-async def test_mixed_load_leaves_nothing_behind(cache_dir: Path, model: TinyVLM) -> None:
+@pytest.mark.parametrize("tight", [False, True], ids=["pinned-transports", "tight-shm"])
+async def test_mixed_load_leaves_nothing_behind(
+    cache_dir: Path, model: TinyVLM, tight: bool
+) -> None:
+    """The mixed load over the pinned transports, or over a tight shm arena on every edge
+    whose payloads wait for room and fall back to network."""
     run = _Run(model)
     rng, inputs, expected, errors = run.rng, run.inputs, run.expected, run.errors
     counts = {"whole": 0, "left": 0, "cancelled": 0, "bad": 0}
 
-    async with Pipeline(_spec(cache_dir)) as pipe:
+    async with Pipeline(_spec(cache_dir, tight=tight)) as pipe:
         pids = dict(pipe.worker_pids)
         deadline = time.monotonic() + run.seconds
         warm_at = time.monotonic() + min(15.0, run.seconds / 4)
@@ -213,6 +233,10 @@ async def test_mixed_load_leaves_nothing_behind(cache_dir: Path, model: TinyVLM)
         print(counts)
         assert not errors, errors
         assert all(counts.values()), counts
+        if tight:
+            stats = await pipe.statistics()
+            outputs = [out for r in stats["replicas"] for out in r["outputs"]]
+            assert sum(out["fallbacks"] for out in outputs) > 0, outputs
         await _nothing_held(pipe)
         client_stats = (await pipe.statistics())["client"]
         total = sum(counts.values())
