@@ -42,7 +42,10 @@ from tests.procs import alive
 from tests.stages.conftest import reference
 from transports._shm_segment import PREFIX, SHM_DIR
 
-pytestmark = pytest.mark.soak
+#: How long each test loads the pipeline, in seconds.
+SECONDS = float(os.environ.get("STAGEWIRE_SOAK_SECONDS", "90"))
+# Beyond the load: starting pipelines, the reference outputs, restarts, the final checks.
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(2 * SECONDS + 180)]
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-vlm.yaml"
 EDGE_TRANSPORTS = {
@@ -130,7 +133,7 @@ class _Run:
     """One soak run's duration, seeded randomness, inputs and their reference tokens."""
 
     def __init__(self, model: TinyVLM) -> None:
-        self.seconds = float(os.environ.get("STAGEWIRE_SOAK_SECONDS", "90"))
+        self.seconds = SECONDS
         seed = random.randrange(1 << 30)
         print(f"seed={seed} seconds={self.seconds}")
         self.rng = random.Random(seed)
