@@ -1,9 +1,9 @@
 """Soak: the reference pipeline under sustained load, with cancellations, failures, kill -9
 of replicas, and requests past their deadline.
 
-Marked ``soak``: ``make soak`` runs these (``make test`` does not). Each runs for
-``STAGEWIRE_SOAK_SECONDS`` (90 by default) at a concurrency of 12. In the mixed load every
-request is one of:
+The tests marked ``soak`` run with ``make soak`` (``make test`` leaves them out), each
+for ``STAGEWIRE_SOAK_SECONDS`` (90 by default) at a concurrency of 12; ``make test`` runs
+the mixed load for 10 seconds. In the mixed load every request is one of:
 
 - a whole response, whose tokens must equal the single-process reference's;
 - a stream left after its first chunk (``aclose``), which aborts it in every stage;
@@ -42,10 +42,12 @@ from tests.procs import alive
 from tests.stages.conftest import reference
 from transports._shm_segment import PREFIX, SHM_DIR
 
-#: How long each test loads the pipeline, in seconds.
+#: How long each soak test loads the pipeline, in seconds.
 SECONDS = float(os.environ.get("STAGEWIRE_SOAK_SECONDS", "90"))
+#: How long the brief run of the mixed load in ``make test`` lasts.
+BRIEF_SECONDS = 10.0
 # Beyond the load: starting pipelines, the reference outputs, restarts, the final checks.
-pytestmark = [pytest.mark.soak, pytest.mark.timeout(2 * SECONDS + 180)]
+pytestmark = pytest.mark.timeout(2 * SECONDS + 180)
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-vlm.yaml"
 EDGE_TRANSPORTS = {
@@ -132,8 +134,8 @@ async def _held(pipe: Pipeline) -> dict[str, int]:
 class _Run:
     """One soak run's duration, seeded randomness, inputs and their reference tokens."""
 
-    def __init__(self, model: TinyVLM) -> None:
-        self.seconds = SECONDS
+    def __init__(self, model: TinyVLM, seconds: float = SECONDS) -> None:
+        self.seconds = seconds
         seed = random.randrange(1 << 30)
         print(f"seed={seed} seconds={self.seconds}")
         self.rng = random.Random(seed)
@@ -176,13 +178,23 @@ async def _nothing_held(pipe: Pipeline) -> None:
         raise AssertionError(f"payloads still held: {held}") from None
 
 
+async def test_a_brief_mixed_load_leaves_nothing_behind(cache_dir: Path, model: TinyVLM) -> None:
+    """The mixed load over the pinned transports for a few seconds, in ``make test`` too:
+    enough requests of each kind to catch a leak like the views that aborted handlers held."""
+    await _mixed_load(_Run(model, BRIEF_SECONDS), cache_dir, tight=False)
+
+
+@pytest.mark.soak
 @pytest.mark.parametrize("tight", [False, True], ids=["pinned-transports", "tight-shm"])
 async def test_mixed_load_leaves_nothing_behind(
     cache_dir: Path, model: TinyVLM, tight: bool
 ) -> None:
     """The mixed load over the pinned transports, or over a tight shm arena on every edge
     whose payloads wait for room and fall back to network."""
-    run = _Run(model)
+    await _mixed_load(_Run(model), cache_dir, tight=tight)
+
+
+async def _mixed_load(run: _Run, cache_dir: Path, *, tight: bool) -> None:
     rng, inputs, expected, errors = run.rng, run.inputs, run.expected, run.errors
     counts = {"whole": 0, "left": 0, "cancelled": 0, "bad": 0}
 
@@ -256,6 +268,7 @@ async def test_mixed_load_leaves_nothing_behind(
     assert not _segments_of(worker_pids)
 
 
+@pytest.mark.soak
 async def test_kill_9_under_load_fails_only_the_victims_requests(
     cache_dir: Path, model: TinyVLM
 ) -> None:
@@ -310,6 +323,7 @@ async def test_kill_9_under_load_fails_only_the_victims_requests(
     assert not _segments_of(started)
 
 
+@pytest.mark.soak
 async def test_requests_past_their_deadline_leave_nothing_behind(
     cache_dir: Path, model: TinyVLM
 ) -> None:
