@@ -73,6 +73,13 @@ def _own_cancel(stage: str) -> RuntimeError:
     )
 
 
+def _let_go(exc: BaseException, kwargs: dict[str, Any]) -> None:
+    """Drop what a handler that ``exc`` ended still refers to: its inputs, and the locals of
+    the frames ``exc`` passed through (see :meth:`StageActor._run`)."""
+    kwargs.clear()
+    traceback.clear_frames(exc.__traceback__)
+
+
 class _Pacer:
     """Sends a compute-bound handler's chunks as they come, not when its loop turn ends.
 
@@ -403,8 +410,8 @@ class StageActor:
         async with self._sem:
             t0 = time.perf_counter()
             self.counts["started"] += 1
+            kwargs: dict[str, Any] = {}
             try:
-                kwargs: dict[str, Any] = {}
                 for param, edge in self.plan.inputs.items():
                     if param in self._stream_params:
                         channel = self._inputs_by_edge[edge.name][1]
@@ -417,25 +424,25 @@ class StageActor:
                         kwargs[param] = await self._single(req, edge)
                 await self._produce(req, ctx, kwargs)
             except asyncio.CancelledError as exc:
-                # The error that ends a handler keeps, through its traceback, the handler's
-                # finished frames and their locals: payloads read in place (shm tensors) among
-                # them, which their transport holds until they die. The error is kept where
-                # it refers back to itself (the task keeps it and the request; a request's
-                # buffers keep its failure, which the request's frames keep), so only the
-                # cycle collector would free them, maybe long after in an idle worker. So the
-                # locals of those frames go as the error leaves, once reported.
+                # The error that ends a handler keeps, through its traceback, the finished
+                # frames and their locals, this one's included: payloads read in place (shm
+                # tensors) among them, which their transport holds until they die. The error
+                # is kept where it refers back to itself (the task keeps it and the request;
+                # a request's buffers keep its failure, which the request's frames keep), so
+                # only the cycle collector would free them, maybe long after in an idle
+                # worker. So those locals go as the error leaves, once reported.
                 task = asyncio.current_task()
                 if task is None or task.cancelling():
-                    traceback.clear_frames(exc.__traceback__)
+                    _let_go(exc, kwargs)
                     raise  # this request was cancelled: aborted, or the replica is closing
                 # Something the handler awaited was cancelled, not the request. Unreported,
                 # the request would never end.
                 self._handler_failed(req, _own_cancel(self.stage))
-                traceback.clear_frames(exc.__traceback__)
+                _let_go(exc, kwargs)
                 return
             except Exception as exc:
                 self._handler_failed(req, exc)
-                traceback.clear_frames(exc.__traceback__)
+                _let_go(exc, kwargs)
                 return
             self.counts["completed"] += 1
             self.latency.add((time.perf_counter() - t0) * 1e6)

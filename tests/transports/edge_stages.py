@@ -81,6 +81,20 @@ class Keep(Stage):
             await asyncio.Event().wait()  # until the abort cancels this
 
 
+class OnePiece(Stage):
+    """Returns one 16 KiB piece."""
+
+    async def process(self, text: Text, ctx: Context) -> Piece:
+        return Piece(0, np.full(16 * 1024, pattern(0), np.uint8))
+
+
+class FailOnPiece(Stage):
+    """Raises while it holds its one piece (a view of an shm extent, read from shm)."""
+
+    async def process(self, piece: Piece, ctx: Context) -> Text:
+        raise RuntimeError(f"failed holding piece {piece.seq}")
+
+
 async def _verify(pieces: Stream[Piece] | Stream[TensorPiece], delay: float) -> Text:
     """Check each piece's position and bytes, sleeping ``delay`` after each (holding it)."""
     seen = 0

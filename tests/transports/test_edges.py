@@ -160,6 +160,28 @@ async def test_an_extent_read_in_place_by_an_ended_handler_comes_back_at_once(en
         await wait_for(lambda: settled(pipe))
 
 
+async def test_an_extent_read_in_place_as_a_single_input_of_a_failed_handler_comes_back() -> None:
+    """The same for a piece that came as a single input (not a stream), which the runtime
+    holds for the handler: a handler that raises lets go of it at once."""
+    data: dict[str, Any] = _spec(transport="shm").to_dict()
+    data["stages"]["source"].update(impl=f"{STAGES}:OnePiece", params={})
+    data["stages"]["sink"].update(impl=f"{STAGES}:FailOnPiece", params={})
+    async with Pipeline(PipelineSpec.from_dict(data)) as pipe:
+
+        async def released() -> bool:
+            stats = await pipe.statistics()
+            return not any(
+                out["transports"].get("shm", {}).get("held", 0)
+                for replica in stats["replicas"]
+                for out in replica["outputs"]
+            )
+
+        for _ in range(3):
+            with pytest.raises(StageError, match="failed holding piece 0"):
+                await pipe.submit(Text("x"))
+            await wait_for(released, timeout=10)
+
+
 async def test_pinned_shm_between_hosts_is_a_config_error() -> None:
     """An edge pinned to shm whose ends are on different hosts fails start-up, naming it."""
     spec = _spec(
