@@ -62,31 +62,36 @@ class Batcher:
 
     async def _loop(self) -> None:
         while True:
-            batch = await self._collect()
-            if not batch:
-                continue
-            self.batches += 1
-            self.items += len(batch)
-            try:
-                results = await self._process_batch([b[0] for b in batch], [b[1] for b in batch])
-                if len(results) != len(batch):
-                    raise ValueError(
-                        f"process_batch returned {len(results)} outputs for {len(batch)} inputs"
-                    )
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is None or task.cancelling():
-                    raise  # the batcher is closing, and the replica cancels its requests
-                # Something process_batch awaited was cancelled, not the batcher: only this
-                # batch fails, the next one runs.
-                self._fail(batch, RuntimeError(_OWN_CANCEL))
-                continue
-            except Exception as exc:
-                self._fail(batch, exc)
-                continue
-            for (_, _, fut), result in zip(batch, results, strict=True):
-                if not fut.done():
-                    fut.set_result(result)
+            # No batch stays bound here while the next one is awaited: its inputs (payloads
+            # read in place, whose transport holds them until they die) go with it.
+            await self._run(await self._collect())
+
+    async def _run(self, batch: list[tuple[Any, Context, asyncio.Future[Any]]]) -> None:
+        """Run one batch and settle its requests' futures."""
+        if not batch:
+            return
+        self.batches += 1
+        self.items += len(batch)
+        try:
+            results = await self._process_batch([b[0] for b in batch], [b[1] for b in batch])
+            if len(results) != len(batch):
+                raise ValueError(
+                    f"process_batch returned {len(results)} outputs for {len(batch)} inputs"
+                )
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the batcher is closing, and the replica cancels its requests
+            # Something process_batch awaited was cancelled, not the batcher: only this
+            # batch fails, the next one runs.
+            self._fail(batch, RuntimeError(_OWN_CANCEL))
+            return
+        except Exception as exc:
+            self._fail(batch, exc)
+            return
+        for (_, _, fut), result in zip(batch, results, strict=True):
+            if not fut.done():
+                fut.set_result(result)
 
     @staticmethod
     def _fail(batch: list[tuple[Any, Context, asyncio.Future[Any]]], exc: Exception) -> None:

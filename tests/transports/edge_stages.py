@@ -95,6 +95,22 @@ class FailOnPiece(Stage):
         raise RuntimeError(f"failed holding piece {piece.seq}")
 
 
+class MeasurePieces(Stage):
+    """Batches: each piece's size, as text (with ``fail``, raises while holding them)."""
+
+    class Params(BaseModel):
+        fail: bool = False
+
+    async def process(self, piece: Piece, ctx: Context) -> Text:
+        return (await self.process_batch([piece], [ctx]))[0]
+
+    async def process_batch(self, pieces: list[Piece], ctxs: list[Context]) -> list[Text]:
+        assert isinstance(self.params, MeasurePieces.Params)
+        if self.params.fail:
+            raise RuntimeError(f"failed holding {len(pieces)} pieces")
+        return [Text(str(p.data.size)) for p in pieces]
+
+
 async def _verify(pieces: Stream[Piece] | Stream[TensorPiece], delay: float) -> Text:
     """Check each piece's position and bytes, sleeping ``delay`` after each (holding it)."""
     seen = 0

@@ -182,6 +182,38 @@ async def test_an_extent_read_in_place_as_a_single_input_of_a_failed_handler_com
             await wait_for(released, timeout=10)
 
 
+@pytest.mark.parametrize("fail", [False, True], ids=["served", "failed"])
+async def test_extents_read_in_place_by_a_batch_come_back_with_it(fail: bool) -> None:
+    """Pieces read in place and handled by ``process_batch`` are let go once their batch
+    is done, served or failed: an idle batched replica holds no extent. (The batching
+    loop kept its last batch until the next one came.)"""
+    data: dict[str, Any] = _spec(transport="shm").to_dict()
+    data["stages"]["source"].update(impl=f"{STAGES}:OnePiece", params={})
+    data["stages"]["sink"].update(
+        impl=f"{STAGES}:MeasurePieces",
+        params={"fail": fail},
+        max_batch_size=4,
+        max_wait_ms=5,
+    )
+    async with Pipeline(PipelineSpec.from_dict(data)) as pipe:
+
+        async def released() -> bool:
+            stats = await pipe.statistics()
+            return not any(
+                out["transports"].get("shm", {}).get("held", 0)
+                for replica in stats["replicas"]
+                for out in replica["outputs"]
+            )
+
+        for _ in range(3):
+            if fail:
+                with pytest.raises(StageError, match="failed holding 1 pieces"):
+                    await pipe.submit(Text("x"))
+            else:
+                assert await pipe.submit(Text("x")) == Text(str(16 * 1024))
+            await wait_for(released, timeout=10)
+
+
 async def test_pinned_shm_between_hosts_is_a_config_error() -> None:
     """An edge pinned to shm whose ends are on different hosts fails start-up, naming it."""
     spec = _spec(
