@@ -123,6 +123,20 @@ async def _drained(stream: AsyncIterator[Text]) -> list[Text]:
     return [out async for out in stream]
 
 
+async def _shm_held(pipe: Pipeline) -> int:
+    """Extents every shm sender of the pipeline still holds."""
+    stats = await pipe.statistics()
+    return sum(
+        out["transports"].get("shm", {}).get("held", 0)
+        for replica in stats["replicas"]
+        for out in replica["outputs"]
+    )
+
+
+async def _none_held(pipe: Pipeline) -> bool:
+    return await _shm_held(pipe) == 0
+
+
 @pytest.mark.parametrize("end", ["aborted", "failed"])
 async def test_an_extent_read_in_place_by_an_ended_handler_comes_back_at_once(end: str) -> None:
     """A handler that holds a piece it read in place (a view of an shm extent) when its
@@ -133,30 +147,18 @@ async def test_an_extent_read_in_place_by_an_ended_handler_comes_back_at_once(en
     data: dict[str, Any] = _spec(transport="shm", sizes=[16 * 1024]).to_dict()
     data["stages"]["sink"].update(impl=f"{STAGES}:Keep", params={"fail": end == "failed"})
     async with Pipeline(PipelineSpec.from_dict(data)) as pipe:
-
-        async def held() -> int:
-            stats = await pipe.statistics()
-            return sum(
-                out["transports"].get("shm", {}).get("held", 0)
-                for replica in stats["replicas"]
-                for out in replica["outputs"]
-            )
-
-        async def released() -> bool:
-            return await held() == 0
-
         for _ in range(3):
             stream = pipe.stream(Text("2"))
             if end == "aborted":
                 async for out in stream:
                     assert out == Text("kept 0")
                     break
-                assert await held() >= 1  # the kept piece, at least
+                assert await _shm_held(pipe) >= 1  # the kept piece, at least
                 await stream.aclose()
             else:
                 with pytest.raises(StageError, match="failed holding piece 0"):
                     await _drained(stream)
-            await wait_for(released, timeout=10)
+            await wait_for(lambda: _none_held(pipe), timeout=10)
         await wait_for(lambda: settled(pipe))
 
 
@@ -167,19 +169,10 @@ async def test_an_extent_read_in_place_as_a_single_input_of_a_failed_handler_com
     data["stages"]["source"].update(impl=f"{STAGES}:OnePiece", params={})
     data["stages"]["sink"].update(impl=f"{STAGES}:FailOnPiece", params={})
     async with Pipeline(PipelineSpec.from_dict(data)) as pipe:
-
-        async def released() -> bool:
-            stats = await pipe.statistics()
-            return not any(
-                out["transports"].get("shm", {}).get("held", 0)
-                for replica in stats["replicas"]
-                for out in replica["outputs"]
-            )
-
         for _ in range(3):
             with pytest.raises(StageError, match="failed holding piece 0"):
                 await pipe.submit(Text("x"))
-            await wait_for(released, timeout=10)
+            await wait_for(lambda: _none_held(pipe), timeout=10)
 
 
 @pytest.mark.parametrize("fail", [False, True], ids=["served", "failed"])
@@ -196,22 +189,13 @@ async def test_extents_read_in_place_by_a_batch_come_back_with_it(fail: bool) ->
         max_wait_ms=5,
     )
     async with Pipeline(PipelineSpec.from_dict(data)) as pipe:
-
-        async def released() -> bool:
-            stats = await pipe.statistics()
-            return not any(
-                out["transports"].get("shm", {}).get("held", 0)
-                for replica in stats["replicas"]
-                for out in replica["outputs"]
-            )
-
         for _ in range(3):
             if fail:
                 with pytest.raises(StageError, match="failed holding 1 pieces"):
                     await pipe.submit(Text("x"))
             else:
                 assert await pipe.submit(Text("x")) == Text(str(16 * 1024))
-            await wait_for(released, timeout=10)
+            await wait_for(lambda: _none_held(pipe), timeout=10)
 
 
 async def test_pinned_shm_between_hosts_is_a_config_error() -> None:
