@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -74,10 +73,21 @@ def _own_cancel(stage: str) -> RuntimeError:
 
 
 def _let_go(exc: BaseException, kwargs: dict[str, Any]) -> None:
-    """Drop what a handler that ``exc`` ended still refers to: its inputs, and the locals of
-    the frames ``exc`` passed through (see :meth:`StageActor._run`)."""
+    """Drop what a handler that ``exc`` ended still refers to: its inputs, and the frames
+    (with their locals) in the tracebacks of ``exc`` and of the errors it chains to (see
+    :meth:`StageActor._run`). Call it once ``exc`` is reported.
+
+    The tracebacks are cut rather than their frames cleared: a frame in them may belong to
+    a coroutine still running elsewhere (one that caught the error and handed it on), and
+    clearing a suspended coroutine's frame would close it.
+    """
     kwargs.clear()
-    traceback.clear_frames(exc.__traceback__)
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        err.__traceback__ = None
+        err = err.__cause__ or err.__context__
 
 
 class _Pacer:

@@ -294,3 +294,29 @@ class Counted(Stage):
     def statistics(self) -> dict[str, int | float]:
         odd: dict[str, object] = {"label": "not a number"}
         return {"echoed": self.echoed, "half": self.echoed / 2, **odd}  # type: ignore[dict-item]
+
+
+class RelayedError(Stage):
+    """Fails every request with an error that a background task of the replica raised,
+    caught and handed over, and the task goes on serving the next request."""
+
+    async def setup(self) -> None:
+        self._jobs: asyncio.Queue[asyncio.Future[None]] = asyncio.Queue()
+        self._server = asyncio.ensure_future(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            job = await self._jobs.get()
+            try:
+                raise ValueError("relayed from the background task")
+            except ValueError as exc:
+                job.set_exception(exc)
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        job: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._jobs.put(job)
+        await job  # raises the background task's error, its frame in the traceback
+        return text
+
+    async def teardown(self) -> None:
+        self._server.cancel()

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pipeline import Pipeline, PipelineError, RequestAborted
+from pipeline import Pipeline, PipelineError, RequestAborted, StageError
 from stages.text import Text
 from tests.pipeline.conftest import settled, spec, wait_for
 
@@ -138,3 +138,15 @@ async def test_requests_waiting_for_admission_when_the_pipeline_closes_are_abort
     for task in done:
         exc = task.exception()
         assert isinstance(exc, RequestAborted) and "pipeline closing" in str(exc), repr(exc)
+
+
+async def test_a_failure_handed_over_by_a_running_task_leaves_that_task_running() -> None:
+    """A handler fails with an error that a background task caught and handed over, so the
+    task's own frame, still running, is in the error's traceback. The runtime lets go of
+    the failed handler's frames without touching that one: the task serves the next
+    request too. (Clearing the traceback's frames would have closed the suspended task.)"""
+    async with Pipeline(spec({"relay": ":RelayedError"}, [])) as pipe:
+        for i in range(3):
+            with pytest.raises(StageError, match="relayed from the background task"):
+                async with asyncio.timeout(10):
+                    await pipe.submit(Text(f"r{i}"))
