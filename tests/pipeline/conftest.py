@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,13 +31,17 @@ def spec(stages: dict[str, Any], edges: list[tuple[str, str]], **defaults: Any) 
 
 
 async def wait_for(
-    probe: Callable[[], Awaitable[bool]], timeout: float = 10.0, interval: float = 0.05
+    probe: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0, interval: float = 0.05
 ) -> None:
-    """Poll ``probe`` until it returns True, failing the test after ``timeout`` seconds."""
+    """Poll ``probe`` (a coroutine function, or a plain one) until it gives True, failing the
+    test after ``timeout`` seconds."""
     async with asyncio.timeout(timeout):
-        # The condition lives in other processes (their statistics), so there is no local
-        # event to wait on: poll it, bounded by the timeout.
-        while not await probe():  # noqa: ASYNC110
+        # The condition lives in other processes (their statistics) or in state no event
+        # announces, so there is nothing to wait on: poll it, bounded by the timeout.
+        while True:
+            got = probe()
+            if await got if inspect.isawaitable(got) else got:
+                return
             await asyncio.sleep(interval)
 
 

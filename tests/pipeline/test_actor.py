@@ -3,7 +3,6 @@ real processes cannot reach them on demand."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from pipeline._actor import StageActor
@@ -11,7 +10,7 @@ from pipeline._channel import OutputChannel, SendTarget
 from pipeline._messages import FailureInfo, encode_batch
 from pipeline._signature import build_plan
 from stages.text import Text
-from tests.pipeline.conftest import spec
+from tests.pipeline.conftest import spec, wait_for
 
 
 async def test_a_failure_the_master_cannot_be_told_of_still_ends_the_request_here() -> None:
@@ -50,10 +49,8 @@ async def test_a_failure_the_master_cannot_be_told_of_still_ends_the_request_her
         assert client.try_send("r1", encoded, True, SendTarget("inproc://echo", "h"))
         (run,) = sent
         actor.on_data([encode_batch([run.seal()])])
-        async with asyncio.timeout(5):
-            # The handler's task runs on the loop; nothing to wait on but its effect.
-            while actor.inflight:  # noqa: ASYNC110
-                await asyncio.sleep(0.01)
+        # The handler's task runs on the loop; nothing to wait on but its effect.
+        await wait_for(lambda: not actor.inflight, 5)
         assert len(reported) == 1 and "boom" in str(reported[0])
         assert actor.counts["failed"] == 1
     finally:

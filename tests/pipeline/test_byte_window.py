@@ -20,7 +20,7 @@ from pipeline._errors import EndOfChannel, RequestAborted
 from pipeline._messages import Chunks, Credit, decode_batch, encode_batch
 from pipeline._signature import EdgePlan, build_plan
 from pipeline._stage import NOT_READY, Stream
-from tests.pipeline.conftest import spec
+from tests.pipeline.conftest import spec, wait_for
 from tests.pipeline.sample_stages import Blob
 
 
@@ -209,10 +209,8 @@ async def test_a_request_ending_mid_fetch_ends_the_read_and_frees_the_payload() 
         with pytest.raises(RequestAborted, match="failed elsewhere"):
             await reading
         shm = wire.out._senders["shm"]
-        async with asyncio.timeout(5):
-            # The release travels through the segment's own words: poll for it.
-            while shm.statistics().held:  # noqa: ASYNC110
-                await asyncio.sleep(0.01)
+        # The release travels through the segment's own words: poll for it.
+        await wait_for(lambda: not shm.statistics().held, 5)
     finally:
         await wire.out.aclose()
         await wire.inp.aclose()

@@ -34,6 +34,7 @@ from pipeline._encoded import Encoded
 from pipeline._keys import ChunkKey
 from pipeline.testing import TransportConformance
 from stages.text import Text
+from tests.pipeline.conftest import wait_for
 from tests.transports.network_producer import EDGE, payload
 from transports import EdgeContext, Transport, create_transport
 from transports._network_wire import (
@@ -527,15 +528,11 @@ async def test_a_payload_whose_fetch_was_lost_with_its_connection_is_dropped_on_
                     await _within(rx.get(via))
             else:
                 rx.decode_descriptor(msgspec.msgpack.encode(via))  # prefetches it
-                async with asyncio.timeout(STEP):
-                    while rx.statistics().errors == 0:  # noqa: ASYNC110  (the reset lands)
-                        await asyncio.sleep(0.02)
+                await wait_for(lambda: rx.statistics().errors > 0, STEP)  # the reset lands
             assert sender.held_bytes > MiB  # the payload and its header, still held
             await rx.release(via)
-            async with asyncio.timeout(STEP):
-                # The drop travels to the producer's server: nothing local to wait on.
-                while sender.held_bytes:  # noqa: ASYNC110
-                    await asyncio.sleep(0.02)
+            # The drop travels to the producer's server: nothing local to wait on.
+            await wait_for(lambda: not sender.held_bytes, STEP)
         finally:
             proxy.close()
 
@@ -559,10 +556,8 @@ async def test_late_acks_of_an_abandoned_receiver_free_none_of_a_new_fetch() -> 
             first = await sender.put(_key(), Encoded(b"", (bytearray(b"\x01" * MiB),)), timeout=5)
             dealer.connect(sender.endpoint)
             await dealer.send(msgspec.msgpack.encode(Control([Fetch(0, first.token, first.sizes)])))
-            async with asyncio.timeout(STEP):
-                # No ack for fetch_timeout: the sender abandons the receiver, an error.
-                while not sender.statistics().errors:  # noqa: ASYNC110
-                    await asyncio.sleep(0.02)
+            # No ack for fetch_timeout: the sender abandons the receiver, an error.
+            await wait_for(lambda: sender.statistics().errors > 0, STEP)
             second = await sender.put(
                 _key(), Encoded(b"", (bytearray(b"\x02" * (16 * MiB)),)), timeout=5
             )
@@ -570,15 +565,12 @@ async def test_late_acks_of_an_abandoned_receiver_free_none_of_a_new_fetch() -> 
                 msgspec.msgpack.encode(Control([Fetch(1, second.token, second.sizes)]))
             )
             server = sender._server  # private: when it serves, and takes acks
-            async with asyncio.timeout(STEP):
-                # Served: the second payload's messages are out, awaiting acks.
-                while not any(p.unacked for p in server._peers.values()):  # noqa: ASYNC110
-                    await asyncio.sleep(0.01)
+            # Served: the second payload's messages are out, awaiting acks.
+            await wait_for(lambda: any(p.unacked for p in server._peers.values()), STEP)
             owed = dict(server._owed)
             await dealer.send(msgspec.msgpack.encode(Control(ack=2)))  # the overdue acks
-            async with asyncio.timeout(STEP):
-                while server._owed == owed:  # noqa: ASYNC110  (the overdue acks are counted)
-                    await asyncio.sleep(0.01)
+            # The overdue acks are counted.
+            await wait_for(lambda: server._owed != owed, STEP)
             await sender.put(_key(), Encoded(b"", (bytearray(b"\x03" * (16 * MiB)),)), timeout=5)
             msgs = [await _within(dealer.recv_multipart()) for _ in range(4)]
             part = msgspec.msgpack.decode(msgs[3][0], type=Part)
