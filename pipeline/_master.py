@@ -84,6 +84,12 @@ class _Startup:
     #: ConfigError, anything else a PipelineError.
     error_type: type[PipelineError] = PipelineError
 
+    def fail(self, error: str, error_type: type[PipelineError] = PipelineError) -> None:
+        """Fail start-up with ``error``, unless it is over or has already failed."""
+        if not self.ready.is_set() and self.error is None:
+            self.error, self.error_type = error, error_type
+            self.ready.set()
+
 
 def _host_local_edges(plan: PipelinePlan) -> dict[str, list[tuple[EdgePlan, str]]]:
     """Each stage's edges pinned to a host-local transport, with the stage at the other end."""
@@ -283,9 +289,7 @@ class Master:
         misplaced = self._misplaced(msg.stage, msg.replica, msg.host)
         if misplaced is not None:
             log.error("replica_refused", stage=msg.stage, replica=msg.replica, reason=misplaced)
-            if not self.startup.ready.is_set() and self.startup.error is None:
-                self.startup.error, self.startup.error_type = misplaced, ConfigError
-                self.startup.ready.set()
+            self.startup.fail(misplaced, ConfigError)
             return
         if old is not None and old.alive:
             self.replica_lost(msg.stage, msg.replica, "was replaced by a new registration")
@@ -356,10 +360,9 @@ class Master:
         """Declare a replica dead and fail only the requests bound to it."""
         rep = self.replicas.get((stage, replica))
         if rep is None or not rep.alive:
-            if rep is None and not self.startup.ready.is_set() and self.startup.error is None:
+            if rep is None:
                 # It died before it registered: start-up fails now, not at its timeout.
-                self.startup.error = f"stage {stage!r} replica {replica} {why} during start-up"
-                self.startup.ready.set()
+                self.startup.fail(f"stage {stage!r} replica {replica} {why} during start-up")
             return
         rep.alive = False
         rep.ready = False
@@ -369,9 +372,7 @@ class Master:
         # The others drop their links to it and what their transports hold for it.
         self._broadcast_peers()
         log.warning("replica_dead", stage=stage, replica=replica, why=why, failed=failed)
-        if not self.startup.ready.is_set() and self.startup.error is None:
-            self.startup.error = f"stage {stage!r} replica {replica} {why} during start-up"
-            self.startup.ready.set()
+        self.startup.fail(f"stage {stage!r} replica {replica} {why} during start-up")
 
     async def _heartbeat(self) -> None:
         interval = self.spec.defaults.heartbeat_interval
