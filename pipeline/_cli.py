@@ -28,6 +28,7 @@ import structlog
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from pipeline import _collector
 from pipeline._api import Pipeline
 from pipeline._errors import ConfigError, PayloadError, PipelineError
 from pipeline._logging import configure_logging
@@ -113,6 +114,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             await pipe.start()
         except PipelineError as exc:
             raise _Fail(str(exc), EXIT_START) from exc
+    _collector.settle()
     started = time.perf_counter() - t0
     log.info("run_started", pipeline=pipe.spec.name, requests=total, startup_s=round(started, 3))
     failures: list[str] = []
@@ -268,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return worker_main(command[1:])
     args = _parser().parse_args(argv)
+    if args.command == "run":
+        # Off while the stages' modules import and the workers start (see _collector).
+        _collector.pause()
     configure_logging()
     # Off a terminal (CI logs, pipes) keep table rows and error lines unwrapped.
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)

@@ -26,6 +26,7 @@ import msgspec
 import structlog
 import zmq
 
+from pipeline import _collector
 from pipeline._actor import StageActor
 from pipeline._config import PipelineSpec
 from pipeline._encoded import DECODE_ERRORS
@@ -257,6 +258,9 @@ class _Worker:
         # order. Until now it kept its default action, so that a setup that hangs, or holds
         # the loop, cannot outlive the master.
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.stop.set)
+        # Start-up's objects (torch, the stage, its weights) are frozen out of every later
+        # collection before the first request can arrive.
+        _collector.settle()
         self.send_control(Ready(self.stage, self.replica))
         log.info("stage_started", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
         defaults = spec.defaults
@@ -356,6 +360,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a worker from command-line arguments; returns the exit code."""
+    # Off while the stage imports and sets up; on again, frozen, before it serves.
+    _collector.pause()
     p = parser()
     args = p.parse_args(argv)
     if not args.master.startswith(("tcp://", "ipc://")):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from collections.abc import AsyncIterator
@@ -320,3 +321,14 @@ class RelayedError(Stage):
 
     async def teardown(self) -> None:
         self._server.cancel()
+
+
+class CollectorState(Stage):
+    """Reports its worker's garbage collector: in setup, and while serving."""
+
+    async def setup(self) -> None:
+        self.in_setup = gc.isenabled()
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        frozen = gc.get_freeze_count()
+        return Text(f"setup:{self.in_setup} serving:{gc.isenabled()} frozen:{frozen}")

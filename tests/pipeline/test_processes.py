@@ -584,3 +584,37 @@ async def test_a_master_address_in_use_fails_start_with_one_line() -> None:
             async with Pipeline(s):
                 pytest.fail("started on an address in use")
     assert not children(os.getpid())
+
+
+def _collector_state(text: str) -> dict[str, str]:
+    return dict(part.split(":") for part in text.split())
+
+
+async def test_a_worker_sets_up_without_the_collector_and_serves_with_it_frozen() -> None:
+    """The collector is off while a worker imports and sets its stage up, and on when it
+    serves, with start-up's objects frozen out of later collections."""
+    async with Pipeline(spec({"a": ":CollectorState"}, [])) as pipe:
+        state = _collector_state((await pipe.submit(Text("x"))).value)
+    assert state["setup"] == "False"
+    assert state["serving"] == "True"
+    # Everything the worker imported (torch included, through the sample stages' types).
+    assert int(state["frozen"]) > 10_000
+
+
+def test_stagewire_run_serves_with_the_collector_back_on(tmp_path: Path) -> None:
+    """``stagewire run`` turns its own collector back on, frozen, once the pipeline is up;
+    its workers serve with theirs on."""
+    config = _write_config(tmp_path, "CollectorState")
+    script = (
+        "import gc, sys\n"
+        "from pipeline._cli import main\n"
+        f"code = main(['run', {str(config)!r}, '--input', '{{\"value\": \"x\"}}'])\n"
+        "print('master', gc.isenabled(), gc.get_freeze_count() > 10_000)\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "master True True" in done.stdout
+    assert "setup:False serving:True" in done.stdout
