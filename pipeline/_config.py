@@ -26,6 +26,7 @@ from pydantic_core import PydanticCustomError
 
 from ._errors import ConfigError
 from ._keys import edge_name
+from ._scheduling import Scheduling
 from ._units import (
     BUILTIN_TRANSPORTS,
     BindAddress,
@@ -160,6 +161,10 @@ class StageSpec(_Spec):
     """How long a partial batch waits for more requests."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for this stage's worker processes."""
+    scheduling: Scheduling = "batch"
+    """The CPU scheduling policy of this stage's workers. ``batch`` (Linux SCHED_BATCH, the
+    default) lets a worker woken by a message run without preempting the process on its
+    CPU; ``normal`` keeps the policy the worker started with."""
 
     @field_validator("env", mode="before")
     @classmethod

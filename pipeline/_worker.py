@@ -55,6 +55,7 @@ from pipeline._messages import (
     encode_message as _encode,
 )
 from pipeline._pulse import Pulse
+from pipeline._scheduling import apply_scheduling
 from pipeline._signature import build_plan
 from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, for_endpoint, new_context
 from transports._liveness import pid_namespace
@@ -223,6 +224,8 @@ class _Worker:
         try:
             spec = PipelineSpec.from_dict(assignment.spec, source="<master>")
             plan = build_plan(spec).stages[self.stage]
+            # Before setup, so that the threads it starts (torch's) inherit the policy.
+            apply_scheduling(plan.spec.scheduling)
             instance = plan.signature.cls(
                 params=plan.params, name=self.stage, replica=self.replica, device=plan.spec.device
             )

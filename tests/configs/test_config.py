@@ -411,6 +411,11 @@ def test_helpers_refuse_unknown_names() -> None:
             id="env-name-with-equals",
         ),
         pytest.param(
+            "stages:\n  a: {impl: 'm:A', scheduling: fifo}\n",
+            "p.yaml:2: stages.a.scheduling: input should be 'normal' or 'batch' (got 'fifo')",
+            id="unknown-scheduling-policy",
+        ),
+        pytest.param(
             "stages: {a: {impl: 'm:A'}}\nedges: {a: b}\n",
             "p.yaml:2: edges: expected a list, got a mapping",
             id="edges-not-a-list",

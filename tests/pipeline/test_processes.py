@@ -618,3 +618,21 @@ def test_stagewire_run_serves_with_the_collector_back_on(tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr
     assert "master True True" in done.stdout
     assert "setup:False serving:True" in done.stdout
+
+
+def _policies(pid: int) -> set[int]:
+    """The scheduling policies of every thread of ``pid``."""
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH on this platform")
+async def test_workers_run_under_their_stages_scheduling_policy() -> None:
+    """Every thread of a worker runs SCHED_BATCH by default; ``scheduling: normal`` keeps the
+    policy the worker started with."""
+    stages = {"a": ":Echo", "b": {"impl": ":Echo", "scheduling": "normal"}}
+    async with Pipeline(spec(stages, [("a", "b")])) as pipe:
+        assert await pipe.submit(Text("x")) == Text("x")
+        pids = {stage: pid for (stage, _), pid in pipe.worker_pids.items()}
+        assert len(os.listdir(f"/proc/{pids['a']}/task")) > 1  # zmq's threads at least
+        assert _policies(pids["a"]) == {os.SCHED_BATCH}
+        assert _policies(pids["b"]) == {os.sched_getscheduler(0)}
