@@ -717,10 +717,18 @@ async def ordering_micro(cfg: Config) -> dict[str, Any]:
         "trial_per_chunk_us": per_chunk,
         "ratio_ready": us["queue_ready"] / us["reorder_ready"],
         "ratio_handoff": us["queue_handoff"] / us["reorder_handoff"],
-        # What ordering adds over the FIFO an unordered receiver would need anyway.
-        "extra_us_ready": us["reorder_ready"] - us["queue_ready"],
-        "extra_us_handoff": us["reorder_handoff"] - us["queue_handoff"],
+        # What ordering adds over the FIFO an unordered receiver would need anyway: the
+        # median of each trial's difference, since the variants of a trial run back to back
+        # and the machine drifts between trials (one full run's handoff trials ranged from
+        # 7.5 to 14.8 µs), so a difference of the medians compares different moments.
+        "extra_us_ready": _paired_extra(per_chunk, "reorder_ready", "queue_ready"),
+        "extra_us_handoff": _paired_extra(per_chunk, "reorder_handoff", "queue_handoff"),
     }
+
+
+def _paired_extra(per_chunk: dict[str, list[float]], ours: str, fifo: str) -> float:
+    """The median over trials of ``ours - fifo``, per chunk."""
+    return median([a - b for a, b in zip(per_chunk[ours], per_chunk[fifo], strict=True)])
 
 
 # ---- stagewire ------------------------------------------------------------------------------
