@@ -35,8 +35,8 @@ C. stagewire: source -> relay -> relay -> sink, every edge inline, 1 KiB payload
       need), per chunk, and set against the per-chunk pipeline cost of (b).
 D. worker start-up: the time ``async with Pipeline(...)`` takes to be ready, against one
    bare interpreter importing the worker's entry point.
-E. diagnostic: streaming again with a credit window of W chunks (256 by default in a full
-   run) instead of the default (64), to show how much the window alone limits throughput.
+E. diagnostic: streaming again with a credit window of W chunks (1024 by default in a full
+   run) instead of the default (256), to show how much the window alone limits throughput.
 F. diagnostic: the wake-up of A with the receiver idle, first, for as long as a stage of
    the latency chain idles between two of its hops (one request's end-to-end time), as
    ``benchmarks/wake_cost.py`` measures it: the floor a real hop stands on here.
@@ -1174,7 +1174,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="W",
         help="also stream with credit window W, to see how much the window limits "
-        "throughput (default: 256 in full mode, off with --quick; 0 turns it off)",
+        "throughput (default: 1024 in full mode, off with --quick; 0 turns it off)",
     )
     args = p.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so every finally block stops what this run started.
@@ -1201,7 +1201,7 @@ def main(argv: list[str] | None = None) -> int:
     _log("baseline B2: raw pyzmq 4-relay chain")
     results["zmq_chain"] = zmq_chain(cfg)
     results["startup"] = import_startup(cfg)
-    wide = args.wide_window if args.wide_window is not None else (None if args.quick else 256)
+    wide = args.wide_window if args.wide_window is not None else (None if args.quick else 1024)
     results.update(asyncio.run(run_async(cfg, wide or None)))
     results["ordering_cost"] = ordering_cost(results["ordering"], results["stagewire"]["stream"])
     _log("diagnostic F: wake-up after the receiver idled as long as a chain stage does")
