@@ -275,6 +275,18 @@ def test_encode_detaches_tensors_that_require_grad() -> None:
     assert torch.equal(got.pixels, torch.full((3,), 2.0))
 
 
+def test_encode_resolves_lazily_negated_views() -> None:
+    """A view whose negation is only a flag (the imaginary part of a conjugate; torch's
+    negative view, contiguous) is sent as the values it stands for, not the bytes under it."""
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    negated = torch._neg_view(torch.tensor([1.0, -5.0]))
+    assert negated.is_contiguous()
+    for view, values in ((z.conj().imag, [-2.0, 4.0]), (negated, [-1.0, 5.0])):
+        assert view.is_neg() and view.dtype == torch.float32
+        got = codec_for(Image).decode(codec_for(Image).encode(Image(view)))
+        assert torch.equal(got.pixels, torch.tensor(values))
+
+
 def test_decode_from_writable_buffer_shares_memory() -> None:
     """A tensor decoded from a bytearray is a view of that bytearray."""
     encoded = codec_for(Image).encode(Image(torch.arange(8, dtype=torch.float64)))
