@@ -30,7 +30,8 @@ def apply_scheduling(policy: Scheduling) -> bool:
 
     Returns:
         Whether the policy is in force: ``normal`` always is; ``batch`` is not where the
-        platform has no SCHED_BATCH (a warning says so once), and the worker goes on.
+        platform has no SCHED_BATCH or refuses it (a warning says so), and the worker
+        goes on.
     """
     if policy == "normal":
         return True
@@ -45,4 +46,8 @@ def apply_scheduling(policy: Scheduling) -> bool:
             setter(int(tid), batch, param)
         except ProcessLookupError:  # the thread ended meanwhile
             continue
+        except OSError as exc:
+            # A sandbox may refuse the call (seccomp, gVisor): serve anyway, as normal.
+            log.warning("scheduling_refused", policy=policy, error=str(exc))
+            return False
     return True
