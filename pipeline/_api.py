@@ -77,7 +77,8 @@ class ResponseStream:
 
         Raises:
             PayloadError: the input does not match the source stage's type.
-            StageUnavailable: a stage has no ready replica.
+            StageUnavailable: a stage had no ready replica for ``replica_wait``.
+            RequestAborted: the pipeline closed while the request waited for a replica.
         """
         if self._req is None:
             self._loop = asyncio.get_running_loop()
@@ -248,7 +249,8 @@ class Pipeline:
 
         Raises:
             StageError: a stage raised for this request.
-            StageUnavailable: a replica bound to this request died.
+            StageUnavailable: a replica bound to this request died, or a stage had no
+                ready replica for ``replica_wait``.
             ChunkGap: a chunk went missing past ``chunk_timeout``.
             PayloadError: the input or a payload did not match its declared type.
             RequestTimeout: the request passed its deadline.

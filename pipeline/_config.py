@@ -33,6 +33,7 @@ from ._units import (
     ByteSize,
     Count,
     Device,
+    Duration,
     ImportPath,
     PositiveByteSize,
     StageName,
@@ -130,6 +131,10 @@ class DefaultsSpec(_Spec):
     """Silence after which a replica is declared dead; must exceed the interval."""
     startup_timeout: Timeout = 60.0
     """How long the master waits for every replica to come up."""
+    replica_wait: Duration = 10.0
+    """How long a new request waits for a stage that has no ready replica (one restarting
+    after a crash) to have one again, before it fails with StageUnavailable; 0 fails it at
+    once. The request's ``request_timeout``, if shorter, bounds the wait too."""
 
     @field_validator("heartbeat_timeout")
     @classmethod

@@ -259,7 +259,7 @@ class Master:
                 rep.inflight = inflight
             case Ready():
                 rep.ready = True
-                self.orch.replicas[rep.stage][rep.replica].ready = True
+                self.orch.replica_ready(rep.stage, rep.replica)
                 log.info("replica_ready", stage=rep.stage, replica=rep.replica, pid=rep.pid)
                 if all(k in self.replicas and self.replicas[k].ready for k in self.expected):
                     self.startup.ready.set()

@@ -10,6 +10,7 @@ completion, failure and abort, never each chunk between stages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import os
@@ -93,6 +94,10 @@ class Orchestrator:
         self._send_control = send_control
         defaults = plan.spec.defaults
         self._timeout = defaults.request_timeout
+        self._replica_wait = min(defaults.replica_wait, defaults.request_timeout or math.inf)
+        #: Resolved when a replica becomes ready, or the pipeline closes: what requests
+        #: waiting for a stage with no ready replica wait on.
+        self._readiness: asyncio.Future[None] | None = None
         self._slots = asyncio.Semaphore(defaults.max_inflight)
         self._closing = False
         self._ids = itertools.count()
@@ -118,7 +123,9 @@ class Orchestrator:
         }
         self._by_edge = {ch.plan.name: ch for ch in self._from_sinks.values()}
         self._src_by_edge = {ch.plan.name: ch for ch in self._to_sources.values()}
-        self.counts = dict.fromkeys(("submitted", "completed", "failed", "aborted", "garbage"), 0)
+        self.counts = dict.fromkeys(
+            ("submitted", "completed", "failed", "aborted", "garbage", "waited"), 0
+        )
         #: The most requests ever admitted at once (bounded by max_inflight).
         self.peak_active = 0
         #: Completed requests to drop, by replica, until the drop timer fires.
@@ -135,12 +142,53 @@ class Orchestrator:
         candidates = [r for r in live if len(r.requests) == least]
         return candidates[next(self._rr) % len(candidates)]
 
+    async def _choose_all(self) -> dict[str, ReplicaView]:
+        """One replica per stage, waiting up to ``replica_wait`` for a stage with none ready.
+
+        Raises:
+            StageUnavailable: a stage had no ready replica for the whole wait.
+            RequestAborted: the pipeline closed meanwhile.
+        """
+        deadline: float | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._closing:
+                raise RequestAborted("(not admitted)", "pipeline closing")
+            try:
+                return {stage: self._choose(stage) for stage in self.plan.stages}
+            except StageUnavailable as exc:
+                if deadline is None:
+                    deadline = loop.time() + self._replica_wait
+                    if self._replica_wait > 0:
+                        self.counts["waited"] += 1
+                left = deadline - loop.time()
+                if left <= 0:
+                    if self._replica_wait <= 0:
+                        raise
+                    waited = f"no replica is ready after waiting {self._replica_wait:g}s"
+                    raise StageUnavailable(exc.stage, waited) from None
+            if self._readiness is None or self._readiness.done():
+                self._readiness = loop.create_future()
+            # Shielded: one waiter's timeout must not cancel what the others wait on.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._readiness), left)
+
+    def replica_ready(self, stage: str, replica: int) -> None:
+        """Mark a replica ready; requests waiting for its stage try again."""
+        self.replicas[stage][replica].ready = True
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        if self._readiness is not None and not self._readiness.done():
+            self._readiness.set_result(None)
+
     async def start(self, inputs: dict[str, Any]) -> ClientRequest:
         """Admit a request and deliver its input to every source stage.
 
         Raises:
             PayloadError: an input does not match its source stage's declared type.
-            StageUnavailable: some stage has no ready replica.
+            StageUnavailable: some stage had no ready replica for ``replica_wait``.
+            RequestAborted: the pipeline closed while the request waited.
         """
         if set(inputs) != set(self._to_sources):
             raise PayloadError(f"inputs must be given for sources {sorted(self._to_sources)}")
@@ -158,8 +206,8 @@ class Orchestrator:
             self._slots.release()
             raise RequestAborted("(not admitted)", "pipeline closing")
         try:
-            chosen = {stage: self._choose(stage) for stage in self.plan.stages}
-        except StageUnavailable:
+            chosen = await self._choose_all()
+        except BaseException:
             self._slots.release()
             raise
         rid = f"{self._prefix}-{next(self._ids)}"
@@ -404,6 +452,7 @@ class Orchestrator:
     async def aclose(self) -> None:
         """Abort every request and close every channel; idempotent."""
         self._closing = True
+        self._wake_waiters()
         for rid in list(self.requests):
             self.abort(rid, "pipeline closing")
         self.send_drops()

@@ -147,6 +147,7 @@ def test_minimal_spec_gets_defaults() -> None:
     assert spec.defaults.window_bytes == 64 * 1024 * 1024
     assert (spec.defaults.heartbeat_interval, spec.defaults.heartbeat_timeout) == (1.0, 5.0)
     assert spec.stages["only"].scheduling == "batch"
+    assert spec.defaults.replica_wait == 10.0
     stage = spec.stages["only"]
     assert (stage.replicas, stage.device, stage.max_concurrency) == (1, "cpu", 16)
     assert (stage.max_batch_size, stage.max_wait_ms, stage.env, stage.params) == (1, 0.0, {}, {})

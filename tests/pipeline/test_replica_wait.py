@@ -1,0 +1,82 @@
+"""New requests and a stage with no ready replica: they wait for one (``replica_wait``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from pipeline import Pipeline, RequestAborted, StageUnavailable
+from stages.text import Text
+from tests.pipeline.conftest import spec, wait_for
+from tests.procs import children
+
+KEY = ("echo", 0)
+
+
+async def _crash(pipe: Pipeline) -> int:
+    """kill -9 the only echo replica and wait until the master has declared it dead."""
+    victim = pipe.worker_pids[KEY]
+    os.kill(victim, signal.SIGKILL)
+    view = pipe._master_or_fail().orch.replicas["echo"][0]
+    await wait_for(lambda: not view.ready)
+    return victim
+
+
+async def test_a_request_waits_while_the_only_replica_restarts() -> None:
+    """A request made while the stage's only replica is being restarted after kill -9 is
+    served by the new replica instead of failing."""
+    async with Pipeline(spec({"echo": ":Echo"}, [])) as pipe:
+        victim = await _crash(pipe)
+        assert await pipe.submit(Text("back")) == Text("back")
+        assert pipe.worker_pids[KEY] != victim
+        assert (await pipe.statistics())["client"]["waited"] == 1
+
+
+async def test_a_zero_replica_wait_fails_at_once() -> None:
+    """With ``replica_wait: 0s`` the request fails as soon as it finds no ready replica."""
+    async with Pipeline(spec({"echo": ":Echo"}, [], replica_wait="0s")) as pipe:
+        await _crash(pipe)
+        t0 = time.monotonic()
+        with pytest.raises(StageUnavailable, match=r"no replica is ready$"):
+            await pipe.submit(Text("x"))
+        assert time.monotonic() - t0 < 0.2
+        assert (await pipe.statistics())["client"]["waited"] == 0
+
+
+async def test_the_wait_is_bounded() -> None:
+    """A replica that never comes back (stopped, declared dead by its silence, never
+    restarted) fails the waiting request after ``replica_wait``, naming the stage."""
+    async with Pipeline(spec({"echo": ":Echo"}, [], replica_wait="500ms")) as pipe:
+        victim = pipe.worker_pids[KEY]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            view = pipe._master_or_fail().orch.replicas["echo"][0]
+            await wait_for(lambda: not view.ready)  # after the 2 s heartbeat timeout
+            t0 = time.monotonic()
+            with pytest.raises(StageUnavailable, match=r"'echo'.*after waiting 0\.5s"):
+                await pipe.submit(Text("x"))
+            assert 0.45 < time.monotonic() - t0 < 3
+        finally:
+            os.kill(victim, signal.SIGKILL)
+
+
+async def test_closing_ends_a_waiting_request() -> None:
+    """Closing the pipeline while a request waits for a replica aborts that request at
+    once, and leaves no process behind."""
+    pipe = Pipeline(spec({"echo": ":Echo"}, [], replica_wait="60s"))
+    await pipe.start()
+    try:
+        await _crash(pipe)
+        waiting = asyncio.ensure_future(pipe.submit(Text("x")))
+        await wait_for(lambda: pipe._master_or_fail().orch.counts["waited"] == 1)
+    finally:
+        t0 = time.monotonic()
+        await pipe.aclose()
+    with pytest.raises(RequestAborted, match="closing"):
+        await asyncio.wait_for(waiting, 5)
+    assert time.monotonic() - t0 < 10
+    await wait_for(lambda: not children(os.getpid()))
