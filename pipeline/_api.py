@@ -209,6 +209,7 @@ class Pipeline:
                 lambda s, k, code: self._master_or_fail().replica_lost(
                     s, k, f"exited with code {code}"
                 ),
+                on_given_up=lambda s, k: self._master_or_fail().orch.replica_given_up(s, k),
             )
         try:
             if self._launcher is not None:

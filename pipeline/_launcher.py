@@ -35,10 +35,13 @@ class LocalLauncher:
         on_exit: Callable[[str, int, int], None],
         *,
         max_restarts: int = 3,
+        on_given_up: Callable[[str, int], None] | None = None,
     ) -> None:
         self._spec = spec
         self._master = master
         self._on_exit = on_exit
+        #: Told when a replica that exited will not be restarted.
+        self._on_given_up = on_given_up
         self.procs: dict[tuple[str, int], asyncio.subprocess.Process] = {}
         #: Every pid this launcher started, restarts included: their shared memory is
         #: removed when they exit, however they exit.
@@ -128,6 +131,8 @@ class LocalLauncher:
         # A worker that failed its setup would fail again; one that crashed or was killed
         # is restarted (with backoff, a bounded number of times) and takes its slot back.
         if not self.supervise or code in (0, EXIT_SETUP_FAILED) or done >= self._max_restarts:
+            if self.supervise and self._on_given_up is not None:
+                self._on_given_up(stage, replica)
             return
         self.restarts[key] = done + 1
         await asyncio.sleep(min(5.0, 0.25 * 2**done))

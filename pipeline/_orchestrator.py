@@ -50,7 +50,7 @@ def _consume_outcome(task: asyncio.Task[Any]) -> None:
 class ReplicaView:
     """What the orchestrator needs to know of one replica."""
 
-    __slots__ = ("endpoint", "host", "pid", "ready", "replica", "requests", "stage")
+    __slots__ = ("endpoint", "given_up", "host", "pid", "ready", "replica", "requests", "stage")
 
     def __init__(self, stage: str, replica: int, endpoint: str, host: str, pid: int = 0) -> None:
         self.stage = stage
@@ -59,6 +59,8 @@ class ReplicaView:
         self.host = host
         self.pid = pid
         self.ready = False
+        #: Dead, and its launcher will not restart it: nobody waits for it.
+        self.given_up = False
         self.requests: set[str] = set()
 
 
@@ -161,6 +163,10 @@ class Orchestrator:
                     deadline = loop.time() + self._replica_wait
                     if self._replica_wait > 0:
                         self.counts["waited"] += 1
+                if all(r.given_up for r in self.replicas[exc.stage].values()):
+                    raise StageUnavailable(
+                        exc.stage, "no replica is ready, and none is being restarted"
+                    ) from None
                 left = deadline - loop.time()
                 if left <= 0:
                     if self._replica_wait <= 0:
@@ -177,6 +183,13 @@ class Orchestrator:
         """Mark a replica ready; requests waiting for its stage try again."""
         self.replicas[stage][replica].ready = True
         self._wake_waiters()
+
+    def replica_given_up(self, stage: str, replica: int) -> None:
+        """A dead replica will not be restarted: requests stop waiting for it."""
+        view = self.replicas[stage].get(replica)
+        if view is not None:
+            view.given_up = True
+            self._wake_waiters()
 
     def _wake_waiters(self) -> None:
         if self._readiness is not None and not self._readiness.done():

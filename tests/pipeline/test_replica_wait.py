@@ -80,3 +80,19 @@ async def test_closing_ends_a_waiting_request() -> None:
         await asyncio.wait_for(waiting, 5)
     assert time.monotonic() - t0 < 10
     await wait_for(lambda: not children(os.getpid()))
+
+
+async def test_no_wait_for_a_replica_that_will_not_be_restarted() -> None:
+    """Once the launcher gives a crashed replica up (its restarts spent), new requests fail
+    at once instead of waiting out ``replica_wait`` for nothing."""
+    async with Pipeline(spec({"echo": ":Echo"}, [], replica_wait="60s")) as pipe:
+        launcher = pipe._launcher
+        assert launcher is not None
+        launcher._max_restarts = 0  # as if every restart had been spent
+        await _crash(pipe)
+        view = pipe._master_or_fail().orch.replicas["echo"][0]
+        await wait_for(lambda: view.given_up)
+        t0 = time.monotonic()
+        with pytest.raises(StageUnavailable, match="none is being restarted"):
+            await pipe.submit(Text("x"))
+        assert time.monotonic() - t0 < 0.5
