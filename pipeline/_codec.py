@@ -79,9 +79,9 @@ def _plain_dtypes() -> tuple[dict[Any, str], dict[str, tuple[Any, Any]]]:
     """The dtypes torch and numpy share, by torch dtype and by name.
 
     A dense CPU tensor of one of these takes the short paths of :func:`_tensor_bytes` and
-    :func:`_decode_tensor` through numpy, which cost about a third of the general ones
-    (every torch call costs a microsecond or more, and far more in a process that has
-    just woken with cold caches, as a stage does for each chunk).
+    :func:`_decode_tensor` through numpy, which cost 40-55% of the general ones: every
+    torch call costs a microsecond or more, and far more in a process that has just woken
+    with cold caches, as a stage does for each chunk.
     """
     torch = sys.modules["torch"]
     import numpy as np
