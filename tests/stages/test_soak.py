@@ -269,31 +269,45 @@ async def _mixed_load(run: _Run, cache_dir: Path, *, tight: bool) -> None:
 
 
 @pytest.mark.soak
+@pytest.mark.parametrize(
+    ("replicas", "victims"),
+    [
+        pytest.param(
+            2, [("prefill", 0), ("decode", 1), ("decode", 0), ("prefill", 1)], id="two-replicas"
+        ),
+        # Every kill leaves its stage with no replica until the restart: new requests wait
+        # for it (replica_wait) rather than fail.
+        pytest.param(
+            1, [("prefill", 0), ("decode", 0), ("encode", 0), ("preprocess", 0)], id="one-replica"
+        ),
+    ],
+)
 async def test_kill_9_under_load_fails_only_the_victims_requests(
-    cache_dir: Path, model: TinyVLM
+    cache_dir: Path, model: TinyVLM, replicas: int, victims: list[tuple[str, int]]
 ) -> None:
-    """Under the same load, with two replicas of prefill and of decode, one replica is
-    killed -9 every few seconds, producers and consumers of the shm edge between them in
-    turn. Only requests in flight on a victim may fail, each with StageUnavailable; every
-    other response stays exact; each victim is restarted and serves again. At the end
-    nothing is held, no dead worker's segment is left, and after close no segment at all."""
+    """Under the same load, one replica is killed -9 every few seconds: with two replicas
+    of prefill and of decode, producers and consumers of the shm edge between them in turn;
+    with one replica of each stage, each stage in turn, so that requests made while it
+    restarts wait for it. Only requests in flight on a victim may fail, each with
+    StageUnavailable; every other response stays exact; each victim is restarted and serves
+    again. At the end nothing is held, no dead worker's segment is left, and after close no
+    segment at all."""
     run = _Run(model)
-    victims = [("prefill", 0), ("decode", 1), ("decode", 0), ("prefill", 1)]
     counts = {"exact": 0, "unavailable": 0}
     started: set[int] = set()
+    workers = 2 + 2 * replicas
 
-    async with Pipeline(_spec(cache_dir, replicas=2)) as pipe:
+    async with Pipeline(_spec(cache_dir, replicas=replicas)) as pipe:
 
         async def all_back() -> bool:
             stats = await pipe.statistics()
-            return len(stats["replicas"]) == 6 and len(pipe.worker_pids) == 6
+            return len(stats["replicas"]) == workers and len(pipe.worker_pids) == workers
 
         async def killer() -> None:
             pause = run.seconds / (len(victims) + 1)
             for key in victims:
                 await asyncio.sleep(pause)
-                # The previous victim serves again: a stage has a live replica at each kill
-                # (with none, new requests fail at once, as they should).
+                # The previous victim serves again before the next kill.
                 await wait_for(all_back, timeout=60)
                 started.update(pipe.worker_pids.values())
                 os.kill(pipe.worker_pids[key], signal.SIGKILL)
@@ -302,8 +316,11 @@ async def test_kill_9_under_load_fails_only_the_victims_requests(
             run.exact_or(pipe, StageUnavailable, counts, "unavailable") for _ in range(CONCURRENCY)
         )
         await asyncio.gather(killer(), *clients)
-        print(counts)
+        waited = (await pipe.statistics())["client"]["waited"]
+        print(counts, f"waited={waited}")
         assert not run.errors, run.errors
+        if replicas == 1:
+            assert waited, "no request waited for a restarting replica"
         # Each kill fails at most the requests then in flight on its victim.
         assert counts["unavailable"] <= len(victims) * CONCURRENCY, counts
         assert counts["exact"] > 10 * counts["unavailable"], counts
