@@ -96,3 +96,17 @@ async def test_no_wait_for_a_replica_that_will_not_be_restarted() -> None:
         with pytest.raises(StageUnavailable, match="none is being restarted"):
             await pipe.submit(Text("x"))
         assert time.monotonic() - t0 < 0.5
+
+
+async def test_a_waiting_request_cancelled_by_its_caller_gives_its_slot_back() -> None:
+    """Cancelling a submit that waits for a replica ends it at once; its admission slot
+    comes back (with one slot in all, the next request still runs once the replica is)."""
+    async with Pipeline(spec({"echo": ":Echo"}, [], max_inflight=1, replica_wait="60s")) as pipe:
+        await _crash(pipe)
+        waiting = asyncio.ensure_future(pipe.submit(Text("x")))
+        await wait_for(lambda: pipe._master_or_fail().orch.counts["waited"] == 1)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await asyncio.wait_for(pipe.submit(Text("next")), 30) == Text("next")
+        assert (await pipe.statistics())["client"]["active"] == 0
