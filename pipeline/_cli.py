@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline import _collector
 from pipeline._api import Pipeline
-from pipeline._errors import ConfigError, PayloadError, PipelineError
+from pipeline._errors import ConfigError, PayloadError, PipelineError, StageError
 from pipeline._logging import configure_logging
 from pipeline._report import render_tables
 
@@ -118,6 +118,8 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     started = time.perf_counter() - t0
     log.info("run_started", pipeline=pipe.spec.name, requests=total, startup_s=round(started, 3))
     failures: list[str] = []
+    #: With --debug, the stage tracebacks of the first failures.
+    tracebacks: list[str] = []
     outputs: list[tuple[int, Any]] = []
     try:
         if args.show_stream is not None:
@@ -141,6 +143,8 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
                         outputs.append((i, await pipe.submit(value)))
                     except PipelineError as exc:
                         failures.append(f"request {i}: {exc}")
+                        if args.debug and isinstance(exc, StageError) and len(tracebacks) < 3:
+                            tracebacks.append(exc.traceback)
                         progress.update(task, failed=len(failures))
                     progress.advance(task)
 
@@ -166,6 +170,8 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     )
     for line in failures[:5]:
         console.print(f"[red]failed[/red] {line}")
+    for text in tracebacks[:3]:
+        console.print(f"stage traceback:\n{text}", highlight=False, markup=False)
     return EXIT_FAILED if failures else 0
 
 

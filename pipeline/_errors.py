@@ -21,6 +21,8 @@ rebuilt at the client by :func:`failure_to_error`.
 
 from __future__ import annotations
 
+import traceback as _traceback
+
 import msgspec
 
 __all__ = (
@@ -77,12 +79,18 @@ class ConfigError(PipelineError):
 
 
 class StageError(PipelineError):
-    """A stage's handler raised while processing one request; the stage keeps serving."""
+    """A stage's handler raised while processing one request; the stage keeps serving.
 
-    def __init__(self, stage: str, request_id: str, message: str) -> None:
+    Attributes:
+        traceback: the handler's traceback as the worker formatted it (its last frames,
+            bounded in size), or ``""``: what to read when the message is not enough.
+    """
+
+    def __init__(self, stage: str, request_id: str, message: str, traceback: str = "") -> None:
         self.stage = stage
         self.request_id = request_id
         self.message = message
+        self.traceback = traceback
         super().__init__(f"stage {stage!r} failed request {request_id}: {message}")
 
 
@@ -164,6 +172,7 @@ class FailureInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     seq: int = 0
     timeout: float = 0.0
     field: str = ""
+    traceback: str = ""
 
 
 def error_to_failure(exc: BaseException, *, stage: str, request_id: str) -> FailureInfo:
@@ -181,7 +190,20 @@ def error_to_failure(exc: BaseException, *, stage: str, request_id: str) -> Fail
     if isinstance(exc, StageUnavailable):
         return FailureInfo("unavailable", exc.message, request_id, exc.stage)
     message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return FailureInfo("stage", message, request_id, stage)
+    return FailureInfo("stage", message, request_id, stage, traceback=format_traceback(exc))
+
+
+#: The most frames, and characters, of a handler's traceback sent to the client.
+TRACEBACK_FRAMES = 16
+TRACEBACK_CHARS = 8192
+
+
+def format_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback, innermost frames last, bounded to what a client can take."""
+    text = "".join(_traceback.format_exception(exc, limit=-TRACEBACK_FRAMES))
+    if len(text) > TRACEBACK_CHARS:
+        text = "...\n" + text[-TRACEBACK_CHARS:]
+    return text
 
 
 def failure_to_error(info: FailureInfo) -> PipelineError:
@@ -200,4 +222,4 @@ def failure_to_error(info: FailureInfo) -> PipelineError:
         case "timeout":
             return RequestTimeout(info.request_id, info.timeout)
         case _:
-            return StageError(info.stage, info.request_id, info.message)
+            return StageError(info.stage, info.request_id, info.message, info.traceback)

@@ -53,6 +53,18 @@ def test_failed_requests_exit_1(tmp_path: Path) -> None:
     assert "cannot echo 'boom'" in res.stderr
 
 
+def test_debug_shows_a_failed_stages_traceback(tmp_path: Path) -> None:
+    """With --debug, run prints the traceback the stage's worker formatted for a failure."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("stages:\n  e: {impl: 'tests.pipeline.sample_stages:Echo'}\n")
+    res = _run("--debug", "run", str(cfg), "--input", '{"value": "boom"}')
+    assert res.returncode == 1
+    assert "stage traceback:" in res.stderr
+    assert "sample_stages.py" in res.stderr and "ValueError: cannot echo 'boom'" in res.stderr
+    plain = _run("run", str(cfg), "--input", '{"value": "boom"}')
+    assert "stage traceback:" not in plain.stderr
+
+
 def test_validate_ok_and_errors_are_one_line(tmp_path: Path) -> None:
     """validate exits 0 on a good file and 2 with one line naming file and line on a bad one."""
     ok = _run("validate", "configs/demo.yaml")

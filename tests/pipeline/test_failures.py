@@ -55,6 +55,16 @@ async def test_stage_exception_fails_only_that_request(chain: Pipeline) -> None:
     assert await chain.submit(Text("still fine")) == Text("still fine")
 
 
+async def test_a_stage_error_carries_the_handlers_traceback(chain: Pipeline) -> None:
+    """The StageError holds the traceback the worker formatted before it let the error go:
+    the handler's own frame and the error, as text."""
+    with pytest.raises(StageError) as info:
+        await chain.submit(Text("a boom c"))
+    text = info.value.traceback
+    assert "sample_stages.py" in text and ", in process" in text, text
+    assert text.rstrip().endswith("RuntimeError: relay refused 'boom'"), text
+
+
 async def test_wrong_output_type_fails_only_that_request(echo: Pipeline) -> None:
     """A stage returning the wrong payload type fails that request with PayloadError."""
     bad, good = await asyncio.gather(
