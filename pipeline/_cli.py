@@ -170,7 +170,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     )
     for line in failures[:5]:
         console.print(f"[red]failed[/red] {line}")
-    for text in tracebacks[:3]:
+    for text in tracebacks:
         console.print(f"stage traceback:\n{text}", highlight=False, markup=False)
     return EXIT_FAILED if failures else 0
 
