@@ -101,8 +101,9 @@ class ResponseStream:
         """
         if self._done:
             raise StopAsyncIteration
-        await self.start()
-        assert self._req is not None
+        if self._req is None:
+            await self.start()
+            assert self._req is not None
         orch = self._pipe._master_or_fail().orch
         try:
             sink, value = await orch.next_output(self._req)
@@ -113,7 +114,7 @@ class ResponseStream:
             self._done = True
             await self.aclose()
             raise
-        if len(orch.plan.sinks) > 1:
+        if orch.several_sinks:
             return SinkOutput(sink, value)
         return value
 

@@ -33,13 +33,18 @@ from pipeline._messages import Abort, Admit, Chunks, Credit, DataMessage, Drop, 
 from pipeline._signature import PipelinePlan
 from pipeline._sockets import MAX_FRAMES, SendData
 
-__all__ = ("DROP_DELAY_S", "ClientRequest", "Orchestrator", "ReplicaView")
+__all__ = ("DROP_BATCH", "DROP_DELAY_S", "ClientRequest", "Orchestrator", "ReplicaView")
 
 #: How long the ``Drop`` of a completed request waits, to leave with the others due. A
-#: stage forgets a request itself once its handler has ended; a Drop matters only to a
-#: producer still held by a consumer that returned before its stream ended, so it need not
-#: wake every stage after every request.
-DROP_DELAY_S = 0.1
+#: stage forgets a request itself once its handler has ended, and a consumer that returns
+#: before its stream's end tells its producer so at once; the Drop is the backstop for
+#: whatever is still held, so it need not wake every stage after every request. At low load
+#: a wave of Drops woke every worker (and the master) about once per request, in the middle
+#: of the next request's decoding; once a second it costs nothing measurable.
+DROP_DELAY_S = 1.0
+
+#: A wave of Drops leaves at once, without waiting for its timer, once this many are due.
+DROP_BATCH = 1024
 
 
 def _consume_outcome(task: asyncio.Task[Any]) -> None:
@@ -124,6 +129,8 @@ class Orchestrator:
             for sink in plan.sinks
         }
         self._by_edge = {ch.plan.name: ch for ch in self._from_sinks.values()}
+        #: Whether outputs come from more than one sink (the client then learns which).
+        self.several_sinks = len(self._from_sinks) > 1
         self._src_by_edge = {ch.plan.name: ch for ch in self._to_sources.values()}
         self.counts = dict.fromkeys(
             ("submitted", "completed", "failed", "aborted", "garbage", "waited"), 0
@@ -133,6 +140,8 @@ class Orchestrator:
         #: Completed requests to drop, by replica, until the drop timer fires.
         self._drops: dict[tuple[str, int], list[str]] = {}
         self._drop_timer: asyncio.TimerHandle | None = None
+        #: Completed requests whose Drops are due.
+        self._drops_due = 0
 
     # ---- planning ------------------------------------------------------------------------
 
@@ -268,6 +277,8 @@ class Orchestrator:
             EndOfChannel: every sink has sent its final chunk; the request is complete.
             PipelineError: the request failed, timed out or was aborted.
         """
+        if not self.several_sinks:
+            return await self._next_single(req)
         while True:
             # A sink whose task already took its final chunk is still open until the value
             # in that task has been handed to the client.
@@ -278,7 +289,7 @@ class Orchestrator:
                 self.complete(req.request_id)
                 raise EndOfChannel
             if len(open_sinks) == 1 and not req.pending:
-                # One sink: read it directly, with no task per chunk.
+                # One sink left open: read it directly, with no task per chunk.
                 (sink,) = open_sinks
                 try:
                     value = await self._from_sinks[sink].next(req.inflows[sink])
@@ -311,6 +322,23 @@ class Orchestrator:
                     raise (req.error or exc) from None
                 self._complete_if_read(req)
                 return sink, value
+
+    async def _next_single(self, req: ClientRequest) -> tuple[str, Any]:
+        """:meth:`next_output` of a pipeline with one sink: read it, with no task per chunk."""
+        ((sink, inflow),) = req.inflows.items()
+        channel = self._from_sinks[sink]
+        while True:
+            if inflow.buffer.finished:
+                self.complete(req.request_id)
+                raise EndOfChannel
+            try:
+                value = await channel.next(inflow)
+            except EndOfChannel:
+                continue
+            except PipelineError as exc:
+                raise (req.error or exc) from None
+            self._complete_if_read(req)
+            return sink, value
 
     def _complete_if_read(self, req: ClientRequest) -> None:
         """Complete ``req`` once the client holds every sink's final chunk.
@@ -359,7 +387,10 @@ class Orchestrator:
             self.counts["completed"] += 1
             for stage, k in req.route.items():
                 self._drops.setdefault((stage, k), []).append(rid)
-            if self._drop_timer is None:
+            self._drops_due += 1
+            if self._drops_due >= DROP_BATCH:
+                self.send_drops()
+            elif self._drop_timer is None:
                 loop = asyncio.get_running_loop()
                 self._drop_timer = loop.call_later(DROP_DELAY_S, self.send_drops)
 
@@ -369,6 +400,7 @@ class Orchestrator:
             self._drop_timer.cancel()
             self._drop_timer = None
         drops, self._drops = self._drops, {}
+        self._drops_due = 0
         for (stage, k), rids in drops.items():
             for rid in rids:
                 self._send_control(stage, k, Drop(rid, self._token))

@@ -43,7 +43,7 @@ class Decode(DecoderStage):
         model_config = ConfigDict(extra="forbid")
 
         max_new_tokens: int = Field(32, ge=1, le=TINY_VLM.max_context)
-        chunk_tokens: int = Field(4, ge=1, le=TINY_VLM.max_context)
+        chunk_tokens: int = Field(8, ge=1, le=TINY_VLM.max_context)
         max_batch: int = Field(8, ge=1, le=256)
 
     batcher: StepBatcher

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
+from typing import Any
 
 import pytest
 
 from pipeline import Pipeline, PipelineError, RequestAborted, StageError
+from pipeline import _orchestrator as orchestrator_module
+from pipeline._messages import Drop
 from stages.text import Text
 from tests.pipeline.conftest import settled, spec, wait_for
 
@@ -81,6 +85,44 @@ async def test_admission_is_bounded_by_max_inflight(max_inflight: int) -> None:
         outs = await asyncio.gather(*(pipe.submit(Text("sleep 0.05")) for _ in range(16)))
         assert all(o == Text("sleep 0.05") for o in outs)
         assert (await pipe.statistics())["client"]["peak_active"] == max_inflight
+
+
+async def test_completed_requests_drops_leave_together_once_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A completed request's Drops wait for the wave: none leaves as a request completes,
+    one wave carries every request completed meanwhile, and a full wave leaves at once.
+    Stages forget a request themselves when its handler ends, so the wave only backs that
+    up and must not wake every worker after every request."""
+    monkeypatch.setattr(orchestrator_module, "DROP_BATCH", 8)
+    s = spec({"tokens": ":Tokens", "collect": ":Collect"}, [("tokens", "collect")])
+    async with Pipeline(s) as pipe:
+        orch = pipe._master_or_fail().orch
+        sent: list[tuple[float, str, str]] = []
+        send_control = orch._send_control
+
+        def recording(stage: str, replica: int, msg: Any) -> None:
+            if isinstance(msg, Drop):
+                sent.append((time.monotonic(), stage, msg.request_id))
+            send_control(stage, replica, msg)
+
+        monkeypatch.setattr(orch, "_send_control", recording)
+        t0 = time.monotonic()
+        for i in range(3):
+            assert await pipe.submit(Text(f"a{i} b")) == Text(f"a{i} b")
+        assert sent == []  # nothing leaves with the completions
+        await wait_for(lambda: len(sent) == 6, timeout=5)
+        # One wave, a delay after the first completion: both stages, all three requests.
+        assert sent[-1][0] - sent[0][0] < 0.05
+        assert sent[0][0] - t0 >= 0.9  # about a second: not one wave per request
+        assert sorted(stage for _, stage, _ in sent) == ["collect"] * 3 + ["tokens"] * 3
+        # Eight due: the wave leaves with the eighth completion, its timer not awaited.
+        sent.clear()
+        for i in range(8):
+            await pipe.submit(Text(f"c{i}"))
+        assert len(sent) == 16
+        assert orch._drop_timer is None
+        assert len({rid for _, _, rid in sent}) == 8
 
 
 async def test_a_client_that_stops_reading_after_the_last_output_frees_the_request() -> None:
