@@ -703,12 +703,23 @@ async def ordering_micro(cfg: Config) -> dict[str, Any]:
         "reorder_shuffled16": _reorder_shuffled,
     }
     # A handoff costs a loop turn (~10x the ready path), so it runs a fifth of the chunks.
-    counts = {k: n // 5 if "handoff" in k else n for k in runs}
+    # Many short rounds rather than a few long ones, each variant next to its FIFO and the
+    # pair's order alternating: the differences are then taken between moments close
+    # together, and neither side always runs first (a slow spell of a few hundred
+    # milliseconds once made a full run's handoff look 15% dearer than the Queue's).
+    rounds = 4 * cfg.trials
+    counts = {k: max(1, (n // 5 if "handoff" in k else n) // 4) for k in runs}
     per_chunk: dict[str, list[float]] = {k: [] for k in runs}
     for fn in runs.values():
         await fn(min(n, 5000), item)  # warm-up
-    for _ in range(cfg.trials):
-        for name, fn in runs.items():  # interleaved, so drift hits every variant alike
+    pairs = [("reorder_ready", "queue_ready"), ("reorder_handoff", "queue_handoff")]
+    for r in range(rounds):
+        order: list[str] = []
+        for ours, fifo in pairs:
+            order += [ours, fifo] if r % 2 == 0 else [fifo, ours]
+        order.append("reorder_shuffled16")
+        for name in order:
+            fn = runs[name]
             per_chunk[name].append(await fn(counts[name], item) / counts[name] * 1e6)
     us = {k: median(v) for k, v in per_chunk.items()}
     return {
