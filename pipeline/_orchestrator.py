@@ -277,8 +277,6 @@ class Orchestrator:
             EndOfChannel: every sink has sent its final chunk; the request is complete.
             PipelineError: the request failed, timed out or was aborted.
         """
-        if not self.several_sinks:
-            return await self._next_single(req)
         while True:
             # A sink whose task already took its final chunk is still open until the value
             # in that task has been handed to the client.
@@ -289,7 +287,7 @@ class Orchestrator:
                 self.complete(req.request_id)
                 raise EndOfChannel
             if len(open_sinks) == 1 and not req.pending:
-                # One sink left open: read it directly, with no task per chunk.
+                # One sink: read it directly, with no task per chunk.
                 (sink,) = open_sinks
                 try:
                     value = await self._from_sinks[sink].next(req.inflows[sink])
@@ -322,23 +320,6 @@ class Orchestrator:
                     raise (req.error or exc) from None
                 self._complete_if_read(req)
                 return sink, value
-
-    async def _next_single(self, req: ClientRequest) -> tuple[str, Any]:
-        """:meth:`next_output` of a pipeline with one sink: read it, with no task per chunk."""
-        ((sink, inflow),) = req.inflows.items()
-        channel = self._from_sinks[sink]
-        while True:
-            if inflow.buffer.finished:
-                self.complete(req.request_id)
-                raise EndOfChannel
-            try:
-                value = await channel.next(inflow)
-            except EndOfChannel:
-                continue
-            except PipelineError as exc:
-                raise (req.error or exc) from None
-            self._complete_if_read(req)
-            return sink, value
 
     def _complete_if_read(self, req: ClientRequest) -> None:
         """Complete ``req`` once the client holds every sink's final chunk.
