@@ -210,7 +210,17 @@ class StageActor:
         #: The most chunks one (request, edge) ever held waiting: the window bounds it.
         self.peak_buffered = 0
         self.counts = dict.fromkeys(
-            ("started", "completed", "failed", "aborted", "garbage", "late", "duplicates"), 0
+            (
+                "started",
+                "completed",
+                "failed",
+                "aborted",
+                "unread_ended",
+                "garbage",
+                "late",
+                "duplicates",
+            ),
+            0,
         )
 
     # ---- peers and control ---------------------------------------------------------------
@@ -318,6 +328,8 @@ class StageActor:
                     out = self._outputs_by_edge.get(msg.edge)
                     if out is not None:
                         out.on_credit(msg)
+                        if msg.done:
+                            self._end_if_unread(msg.request_id)
                 elif not self._token or msg.token != self._token:
                     self._garbage(1)  # a request message that is not the master's
                 elif isinstance(msg, Admit):
@@ -326,6 +338,21 @@ class StageActor:
                     self.abort(msg.request_id, msg.reason)
                 else:
                     self.forget(msg.request_id)
+
+    def _end_if_unread(self, request_id: str) -> None:
+        """End a handler whose every output's consumer has stopped reading it.
+
+        What it would still make goes nowhere, so it stops now rather than at the request's
+        Drop (up to a second later), and tells its own producers that it reads no more.
+        A handler with an output that nobody has refused yet (or that it has not sent on
+        yet) keeps running.
+        """
+        req = self._requests.get(request_id)
+        if req is None or req.task is None or req.task.done():
+            return
+        if all(out.reader_stopped(request_id) for out in self._outputs.values()):
+            self.counts["unread_ended"] += 1
+            self.forget(request_id)
 
     def _garbage(self, n: int) -> None:
         before = self.counts["garbage"]

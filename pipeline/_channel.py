@@ -483,6 +483,11 @@ class OutputChannel:
             if gone is not None:
                 gone(endpoints)
 
+    def reader_stopped(self, request_id: str) -> bool:
+        """Whether the consumer of ``request_id`` on this edge said it reads no more."""
+        win = self._windows.get(request_id)
+        return win is not None and win.done
+
     def forget(self, request_id: str, reason: str | None = None) -> None:
         """Drop a request's window, failing a sender that waits on it."""
         win = self._windows.pop(request_id, None)

@@ -16,6 +16,7 @@ from pipeline import (
     RequestTimeout,
     StageError,
 )
+from pipeline import _orchestrator as orchestrator_module
 from stages.text import Text, Token
 from tests.pipeline.conftest import settled, spec, wait_for
 
@@ -177,6 +178,27 @@ async def test_a_handler_that_stops_reading_early_holds_up_no_producer(
         src = next(r for r in stats["replicas"] if r["stage"] == "src")
         to_first = next(o for o in src["outputs"] if o["edge"] == "src->first")
         assert to_first["unread"] > 0, to_first
+
+
+async def test_a_producer_nobody_reads_any_more_stops_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A streaming handler whose only consumer returned after its first chunk ends as soon
+    as that consumer says it reads no more, not at the request's Drop: here the producer
+    would otherwise wait forever (it stalls after its first token), and the Drop is held
+    back for a minute."""
+    monkeypatch.setattr(orchestrator_module, "DROP_DELAY_S", 60.0)
+    s = spec({"src": ":Tokens", "first": ":First"}, [("src", "first")])
+    async with Pipeline(s) as pipe:
+        async with asyncio.timeout(20):
+            assert await pipe.submit(Text("a stall b")) == Text("a")
+        await wait_for(lambda: settled(pipe))
+        stats = await pipe.statistics()
+        src = next(r for r in stats["replicas"] if r["stage"] == "src")
+        assert (src["unread_ended"], src["completed"], src["failed"]) == (1, 0, 0), src
+        # The replica serves on.
+        async with asyncio.timeout(20):
+            assert await pipe.submit(Text("c d")) == Text("c")
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["process", "process_batch"])
