@@ -45,7 +45,15 @@ from transports._registry import create_transport, resolve_transport
 from transports.auto import AutoPolicy
 from transports.inline import InlineReceiver, InlineSender
 
-__all__ = ("Inflow", "InputChannel", "Item", "OutputChannel", "SendTarget", "file_run")
+__all__ = (
+    "LONE_WINDOWS",
+    "Inflow",
+    "InputChannel",
+    "Item",
+    "OutputChannel",
+    "SendTarget",
+    "file_run",
+)
 
 
 _nothing_decoder = msgspec.msgpack.Decoder(list[None])
@@ -53,6 +61,14 @@ _raw_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 #: Most chunks one run (one :class:`Chunks` envelope) carries.
 MAX_RUN = 256
+
+#: A request alone on its edge at the consumer may run this many windows ahead. With
+#: nobody to share the consumer with, the window bounds only its memory (and the byte
+#: window still applies); a wider one lets the producer send, and the consumer credit, in
+#: bursts this many times longer, with that many times fewer wake-ups on both sides. With
+#: two requests or more on the edge each gets one window, so none runs far ahead of the
+#: others.
+LONE_WINDOWS = 4
 
 
 def _bind_host(endpoint: str) -> str:
@@ -130,10 +146,26 @@ def _outcome_dropped(task: asyncio.Task[Any]) -> None:
 class Inflow:
     """One request's position on one input edge: its reorder buffer and credit marks."""
 
-    __slots__ = ("asked", "buffer", "credit_due", "fetching", "held", "sender", "taken")
+    __slots__ = (
+        "_on_end",
+        "asked",
+        "buffer",
+        "credit_due",
+        "fetching",
+        "held",
+        "sender",
+        "taken",
+    )
 
-    def __init__(self, buffer: ReorderBuffer[Item], credit_step: int) -> None:
+    def __init__(
+        self,
+        buffer: ReorderBuffer[Item],
+        credit_step: int,
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
         self.buffer = buffer
+        #: Called once, when the inflow ends.
+        self._on_end = on_end
         self.taken = 0
         #: Where the producer takes credit (known from its first run).
         self.sender = ""
@@ -153,6 +185,9 @@ class Inflow:
         Raises:
             Exception: the first error releasing an item raised, once all were released.
         """
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
         held, self.held = self.held, None
         fetching, self.fetching = self.fetching, None
         if fetching is not None:
@@ -471,7 +506,11 @@ class OutputChannel:
             freed += sizes.popleft()
         win.acked = upto
         win.in_flight -= freed
-        win.allowed = upto + self.plan.window
+        # The consumer's grant, within bounds: a forged credit cannot open the window wider.
+        window = self.plan.window
+        if credit.window > 0:
+            window = min(credit.window, LONE_WINDOWS * window)
+        win.allowed = upto + window
         if win.waiter is not None and not win.waiter.done():
             win.waiter.set_result(None)
 
@@ -554,6 +593,8 @@ class InputChannel:
         #: The inline receiver once opened: its payloads are read without a coroutine.
         self._inline: InlineReceiver | None = None
         self._credit_step = max(1, plan.window // 2)
+        #: Requests open on this edge here: one alone gets :data:`LONE_WINDOWS` windows.
+        self._open = 0
         self.hop = LatencyRecorder()
         self.chunks = 0
 
@@ -610,12 +651,17 @@ class InputChannel:
     def open(self, request_id: str, *, chunk_timeout: float | None = None) -> Inflow:
         """Start receiving ``request_id`` on this edge."""
         timeout = self.plan.chunk_timeout if chunk_timeout is None else chunk_timeout
+        self._open += 1
         return Inflow(
             ReorderBuffer(
                 request_id, self.plan.name, chunk_timeout=timeout, on_discard=self.discard
             ),
             self._credit_step,
+            self._closed_one,
         )
+
+    def _closed_one(self) -> None:
+        self._open -= 1
 
     def poll(self, inflow: Inflow) -> Any:
         """The next payload if it needs no waiting, else :data:`NOT_READY`.
@@ -709,11 +755,13 @@ class InputChannel:
         return value
 
     def _credit(self, inflow: Inflow, sender: str) -> None:
-        """Tell ``sender`` that every chunk taken so far may be replaced by new ones."""
-        credit = Credit(inflow.buffer.request_id, self.plan.name, inflow.taken)
+        """Tell ``sender`` that every chunk taken so far may be replaced by new ones, and how
+        far past them it may now go: a request alone on this edge gets several windows."""
+        window = self.plan.window * (LONE_WINDOWS if self._open == 1 else 1)
+        credit = Credit(inflow.buffer.request_id, self.plan.name, inflow.taken, window=window)
         self._send(sender, encode_message(credit))
         taken = inflow.taken
-        due = taken + self._credit_step
+        due = taken + max(1, window // 2)
         # A credit the producer asked for further on still goes when that chunk is taken.
         inflow.credit_due = inflow.asked if taken < inflow.asked < due else due
 

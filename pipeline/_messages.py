@@ -99,12 +99,14 @@ class Credit(_Msg, frozen=True, tag="k"):
 
     ``done``: the consumer's handler finished without reading the stream to its end; it
     will read nothing more of this request on this edge, so send nothing more.
+    ``window``: how many chunks past ``upto`` may now be sent (0: the edge's window).
     """
 
     request_id: str
     edge: str
     upto: int
     done: bool = False
+    window: int = 0
 
 
 #: Encodes one message of this module (any of them) to msgpack.

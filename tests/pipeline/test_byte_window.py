@@ -119,6 +119,56 @@ async def test_a_credit_ahead_of_the_queued_chunks_is_clamped() -> None:
     await producer
 
 
+async def test_a_request_alone_on_its_edge_gets_several_windows() -> None:
+    """Alone on the edge, a request's producer may run LONE_WINDOWS windows ahead, and its
+    consumer credits every half of that; once a second request is open there, each gets
+    one window again. A forged credit cannot grant more than the lone windows."""
+    assert channel_module.LONE_WINDOWS > 1
+    window = 8
+    wire = _Wire(_plan(window=window, window_bytes=1 << 30))
+    producer = asyncio.ensure_future(wire.produce([10] * 200))
+
+    async def settle() -> int:
+        """Deliver until the producer waits for credit; how far ahead it ran."""
+        for _ in range(100):
+            wire.deliver()
+            await asyncio.sleep(0)
+        win = wire.out._windows["r"]
+        return win.next_seq - win.acked
+
+    assert await settle() == window  # before any credit: the edge's window
+    for _ in range(window // 2):
+        assert wire.inp.poll(wire.inflow) is not NOT_READY
+    # The first credit (half a window taken) grants the lone request several windows.
+    assert await settle() == channel_module.LONE_WINDOWS * window
+    assert wire.inflow.credit_due == window // 2 + channel_module.LONE_WINDOWS * window // 2
+    other = wire.inp.open("other")
+    for _ in range(wire.inflow.credit_due - wire.inflow.taken):
+        assert wire.inp.poll(wire.inflow) is not NOT_READY
+    # With another request open on the edge, the next credit grants one window (what was
+    # already sent under the wider grant stays sent).
+    await settle()
+    win = wire.out._windows["r"]
+    assert (win.acked, win.allowed) == (wire.inflow.taken, wire.inflow.taken + window)
+    assert wire.inflow.credit_due == wire.inflow.taken + window // 2
+    wire.out.on_credit(Credit("r", wire.out.plan.name, wire.inflow.taken + 1, window=10**6))
+    assert win.allowed == win.acked + channel_module.LONE_WINDOWS * window
+    other.end()
+    seqs = []
+    while True:  # the rest arrives whole and in order
+        wire.deliver()
+        try:
+            blob = wire.inp.poll(wire.inflow)
+        except EndOfChannel:
+            break
+        if blob is NOT_READY:
+            await asyncio.sleep(0)
+        else:
+            seqs.append(blob.seq)
+    assert seqs == list(range(seqs[0], 200))
+    await producer
+
+
 def test_a_zero_byte_window_is_refused() -> None:
     with pytest.raises(ConfigError, match="window_bytes"):
         _plan(window=4, window_bytes=0)
