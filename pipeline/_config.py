@@ -117,7 +117,7 @@ class DefaultsSpec(_Spec):
     than its consumer sends in bursts of half a window, each a wake-up on both sides, so a
     wider window streams small chunks with fewer wake-ups (256 against 64: 1.04-1.76x the
     chunks/s of one stream, benchmarks/hops.py's chain); memory for large chunks is held
-    by ``window_bytes``."""
+    by ``window_bytes``. A request alone on its edge at the consumer gets four windows."""
     window_bytes: PositiveByteSize = 64 * 1024 * 1024
     """Payload bytes in flight per request per edge before the producer waits; a chunk
     larger than this still goes, alone. Whichever of the two limits comes first holds."""
