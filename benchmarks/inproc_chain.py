@@ -3,6 +3,14 @@
 Run from the repository root::
 
     .venv/bin/python benchmarks/inproc_chain.py [--chunks N] [--trials T] [--concurrency C]
+    .venv/bin/python benchmarks/inproc_chain.py --requests N [--evict MIB]
+
+With ``--requests`` it measures the other shape instead: one-chunk requests, one at a
+time, through the chain of ``hops.py``'s latency test (four relays), which is what a
+request pays per hop before any model runs. ``--evict`` walks a buffer of that many MiB
+between requests, so each request's Python runs with cold caches, as it does in a stage
+that idled for a whole request while another process computed; the per-request cost
+then grows several-fold, and that is the figure a leaner per-message path has to cut.
 
 The 4-stage chain of ``benchmarks/hops.py`` (source -> relay -> relay -> sink, every edge
 inline, 1 KiB chunks) runs as four real stage actors and the real orchestrator in one
@@ -29,8 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_stages import Counted, Start  # noqa: E402
-from benchmarks.hops import STREAM_CHAIN, chain_spec  # noqa: E402
+from benchmarks.bench_stages import Blob, Counted, Start  # noqa: E402
+from benchmarks.hops import LATENCY_CHAIN, STREAM_CHAIN, chain_spec  # noqa: E402
 from pipeline._actor import StageActor  # noqa: E402
 from pipeline._config import PipelineSpec  # noqa: E402
 from pipeline._errors import EndOfChannel  # noqa: E402
@@ -54,9 +62,11 @@ class LoopbackOutbox(Outbox):
         asyncio.get_running_loop().call_soon(self._routes[endpoint], [frame])
 
 
-async def build() -> tuple[Orchestrator, list[StageActor]]:
+async def build(
+    impls: tuple[str, str, str, str] = STREAM_CHAIN,
+) -> tuple[Orchestrator, list[StageActor]]:
     """The chain's actors and orchestrator, wired through one loopback outbox."""
-    spec = PipelineSpec.from_dict(chain_spec("inproc", STREAM_CHAIN), source="<inproc>")
+    spec = PipelineSpec.from_dict(chain_spec("inproc", impls), source="<inproc>")
     plan = build_plan(spec)
     routes: dict[str, Any] = {}
     outbox = LoopbackOutbox(routes)
@@ -119,6 +129,43 @@ async def run_one(orch: Orchestrator, n: int) -> Counted:
     return out
 
 
+async def one_request(orch: Orchestrator, blob: Blob) -> None:
+    """One one-chunk request through the latency chain, read to its end."""
+    req = await orch.start({"source": blob})
+    out: Any = None
+    try:
+        while True:
+            _, out = await orch.next_output(req)
+    except EndOfChannel:
+        pass
+    if out != blob:
+        raise RuntimeError(f"the chain returned {out!r}")
+
+
+async def per_request(requests: int, trials: int, evict_mib: int) -> list[float]:
+    """CPU µs per one-chunk request through the four relays and the client, per trial;
+    with ``evict_mib``, a buffer that size is walked (outside the timing) between requests."""
+    orch, actors = await build(LATENCY_CHAIN)
+    blob = Blob(b"\x5a" * 1024)
+    for _ in range(200):  # warm-up
+        await one_request(orch, blob)
+    junk = bytearray(evict_mib * 2**20)
+    per = []
+    for _ in range(trials):
+        spent = 0.0
+        for _ in range(requests):
+            if junk:
+                junk[::64] = bytes(len(junk[::64]))  # touch every cache line
+            t0 = time.process_time()
+            await one_request(orch, blob)
+            spent += time.process_time() - t0
+        per.append(spent / requests * 1e6)
+    await orch.aclose()
+    for actor in actors:
+        await actor.aclose()
+    return per
+
+
 async def main_async(chunks: int, trials: int, concurrency: int) -> list[float]:
     """CPU µs per chunk of each trial."""
     orch, actors = await build()
@@ -139,7 +186,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=50_000)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="measure one-chunk requests through the latency chain instead, this many a trial",
+    )
+    ap.add_argument(
+        "--evict",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="with --requests: walk a buffer this large between requests (cold caches)",
+    )
     args = ap.parse_args(argv)
+    if args.requests:
+        per = asyncio.run(per_request(args.requests, args.trials, args.evict))
+        trials = ", ".join(f"{x:.0f}" for x in per)
+        cold = f", caches evicted ({args.evict} MiB walked) before each" if args.evict else ""
+        print(
+            f"runtime CPU per one-chunk request through 4 relays and the client{cold}: best"
+            f" {min(per):.0f} µs, median {statistics.median(per):.0f} µs (trials: {trials})"
+        )
+        return 0
     per_chunk = asyncio.run(main_async(args.chunks, args.trials, args.concurrency))
     trials = ", ".join(f"{x:.1f}" for x in per_chunk)
     best, mid = min(per_chunk), statistics.median(per_chunk)
