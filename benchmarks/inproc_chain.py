@@ -115,15 +115,21 @@ async def build(
     return orch, list(actors.values())
 
 
-async def run_one(orch: Orchestrator, n: int) -> Counted:
-    """Stream ``n`` chunks through the chain; the sink's count."""
-    req = await orch.start({"source": Start(n, 1024)})
+async def _last_output(orch: Orchestrator, value: Any) -> Any:
+    """Send ``value`` to the chain's source and read the request to its end; its last output."""
+    req = await orch.start({"source": value})
     out: Any = None
     try:
         while True:
             _, out = await orch.next_output(req)
     except EndOfChannel:
         pass
+    return out
+
+
+async def run_one(orch: Orchestrator, n: int) -> Counted:
+    """Stream ``n`` chunks through the chain; the sink's count."""
+    out = await _last_output(orch, Start(n, 1024))
     if not isinstance(out, Counted) or out.chunks != n:
         raise RuntimeError(f"the sink counted {out!r}, expected {n} chunks")
     return out
@@ -131,13 +137,7 @@ async def run_one(orch: Orchestrator, n: int) -> Counted:
 
 async def one_request(orch: Orchestrator, blob: Blob) -> None:
     """One one-chunk request through the latency chain, read to its end."""
-    req = await orch.start({"source": blob})
-    out: Any = None
-    try:
-        while True:
-            _, out = await orch.next_output(req)
-    except EndOfChannel:
-        pass
+    out = await _last_output(orch, blob)
     if out != blob:
         raise RuntimeError(f"the chain returned {out!r}")
 
