@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
+import time
 
 import pytest
 import torch
 
 from stages.model import TINY_VLM, GreedyDecoding, LayerKV, TinyVLM
-from stages.step_batcher import StepBatcher
+from stages.step_batcher import StepBatcher, loop_has_work
 from tests.stages.conftest import single_thread
 
 SEED = 4321
@@ -172,6 +174,63 @@ async def test_a_request_alone_yields_to_the_loop_once_per_budget(
         ticker.cancel()
     assert got == expected and len(sizes) == 10
     assert least_turns <= during <= most_turns, during
+
+
+async def test_a_request_alone_skips_loop_turns_with_nothing_to_run(model: TinyVLM) -> None:
+    """Alone, with nothing else for the loop to do, no step takes a loop turn; data that
+    arrives on a socket, or a timer that falls due, gets one within the next step."""
+    gen = torch.Generator().manual_seed(SEED)
+    decoder = model.decoder
+    loop = asyncio.get_running_loop()
+    with single_thread():
+        cache = _cache(gen, 20)
+        expected = list(GreedyDecoding(decoder, 7, _copy(cache), 11))
+        batcher = StepBatcher(decoder, max_batch=8, yield_alone_s=0.0)
+        sizes: list[int] = []
+        got = await _decode(batcher, GreedyDecoding(decoder, 7, _copy(cache), 11), sizes)
+        assert got == expected and len(sizes) == 10
+        assert batcher.yields == 0  # without the check: a turn after each of the 10 steps
+
+        # Data on a watched socket: its reader runs within two steps (the turn the first
+        # takes runs the resumed request before the reader's callback).
+        at_step: list[int] = []
+        a, b = socket.socketpair()
+        with a, b:
+            loop.add_reader(b.fileno(), lambda: at_step.append(len(sizes)) or b.recv(16))
+            try:
+                sizes.clear()
+                a.send(b"x")
+                got = await _decode(batcher, GreedyDecoding(decoder, 7, _copy(cache), 11), sizes)
+            finally:
+                loop.remove_reader(b.fileno())
+        assert got == expected and len(at_step) == 1 and at_step[0] <= 2, at_step
+        assert 1 <= batcher.yields <= 2
+        before = batcher.yields
+
+        # A timer due during decoding: it runs after the step during which it fell due.
+        fired: list[float] = []
+        sizes.clear()
+        t0 = time.perf_counter()
+        loop.call_later(0.002, lambda: fired.append(time.perf_counter() - t0))
+        got = await _decode(batcher, GreedyDecoding(decoder, 7, _copy(cache), 11), sizes)
+        took = time.perf_counter() - t0
+    assert got == expected and len(fired) == 1 and fired[0] < took, (fired, took)
+    assert batcher.yields > before
+
+
+def test_loop_has_work_sees_ready_callbacks_and_knows_no_other_loop() -> None:
+    """A ready callback counts as work; an event loop of another kind always has work."""
+
+    async def probe() -> tuple[bool, bool]:
+        loop = asyncio.get_running_loop()
+        idle = loop_has_work(loop)
+        handle = loop.call_soon(lambda: None)
+        busy = loop_has_work(loop)
+        handle.cancel()
+        return idle, busy
+
+    assert asyncio.run(probe()) == (False, True)
+    assert loop_has_work(object())  # type: ignore[arg-type]  # not an asyncio loop
 
 
 async def test_requests_that_cannot_batch_take_turns_step_by_step(model: TinyVLM) -> None:
