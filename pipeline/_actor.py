@@ -43,9 +43,9 @@ from pipeline._messages import (
     decode_batch,
     encode_message,
 )
-from pipeline._signature import EdgePlan, StagePlan
+from pipeline._signature import StagePlan
 from pipeline._sockets import MAX_FRAMES, Outbox, SendData
-from pipeline._stage import Context, Outputs, Stage, Stream
+from pipeline._stage import NOT_READY, Context, Outputs, Stage, Stream
 from transports._liveness import local_pid
 
 __all__ = ("StageActor",)
@@ -191,6 +191,9 @@ class StageActor:
         self._only_output: tuple[str, OutputChannel] | None = None
         self._peers: PeerTable = {}
         self._client: Peer | None = None
+        #: Each replica's (and the client's) SendTarget, built once per peer table.
+        self._peer_targets: dict[tuple[str, int], SendTarget] = {}
+        self._client_target: SendTarget | None = None
         self._requests: dict[str, _Request] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._sem = asyncio.Semaphore(plan.spec.max_concurrency)
@@ -228,8 +231,10 @@ class StageActor:
     def set_peers(self, peers: PeerTable, client: Peer | None = None) -> None:
         """Learn where every replica (and the client) receives data."""
         self._peers = peers
+        self._peer_targets = {}
         if client is not None:
             self._client = client
+            self._client_target = None
 
     def readers_gone(self, endpoints: set[str]) -> None:
         """Replicas that received data at ``endpoints`` are gone: let every output's
@@ -253,17 +258,26 @@ class StageActor:
         route = req.route
         assert route is not None
         if dst == CLIENT:
-            assert self._client is not None
-            client = self._client
-            target = SendTarget(client.endpoint, client.host, local_pid(client.pid, client.pidns))
+            target = self._client_target
+            if target is None:
+                assert self._client is not None
+                client = self._client
+                target = SendTarget(
+                    client.endpoint, client.host, local_pid(client.pid, client.pidns)
+                )
+                self._client_target = target
         else:
-            peer = self._peers.get(dst, {}).get(route[dst])
-            if peer is None:
-                raise StageUnavailable(dst, f"replica {route[dst]} is not known to {self.stage!r}")
-            target = SendTarget(peer.endpoint, peer.host, local_pid(peer.pid, peer.pidns))
+            replica = route[dst]
+            target = self._peer_targets.get((dst, replica))
+            if target is None:
+                peer = self._peers.get(dst, {}).get(replica)
+                if peer is None:
+                    raise StageUnavailable(dst, f"replica {replica} is not known to {self.stage!r}")
+                target = SendTarget(peer.endpoint, peer.host, local_pid(peer.pid, peer.pidns))
+                self._peer_targets[dst, replica] = target
             if req.admit is None:
                 req.admit = encode_message(Admit(req.request_id, route, self._token))
-            self._send_data(peer.endpoint, req.admit)
+            self._send_data(target.endpoint, req.admit)
         req.targets[dst] = target
         return target
 
@@ -423,24 +437,17 @@ class StageActor:
     def _maybe_start(self, req: _Request) -> None:
         if req.started or req.route is None:
             return
-        if not any(f.buffer.buffered or f.buffer.delivered for f in req.inflows.values()):
+        for inflow in req.inflows.values():
+            buffer = inflow.buffer
+            if buffer.buffered or buffer.delivered:
+                break
+        else:
             return
         req.started = True
         req.ctx = Context(req.request_id, self.stage, self.replica)
         req.task = asyncio.get_running_loop().create_task(self._run(req, req.ctx))
 
     # ---- the handler ---------------------------------------------------------------------
-
-    async def _next(self, req: _Request, edge: str) -> Any:
-        return await self._inputs_by_edge[edge][1].next(req.inflows[edge])
-
-    async def _single(self, req: _Request, edge: EdgePlan) -> Any:
-        try:
-            return await self._next(req, edge.name)
-        except EndOfChannel:
-            raise PayloadError(
-                f"{edge.src!r} sent no payload on edge {edge.name!r} to {self.stage!r}"
-            ) from None
 
     async def _run(self, req: _Request, ctx: Context) -> None:
         rid = req.request_id
@@ -458,7 +465,19 @@ class StageActor:
                             functools.partial(channel.poll, inflow),
                         )
                     else:
-                        kwargs[param] = await self._single(req, edge)
+                        # Usually here already and carried inline: read without a coroutine.
+                        channel = self._inputs_by_edge[edge.name][1]
+                        inflow = req.inflows[edge.name]
+                        try:
+                            value = channel.poll(inflow)
+                            if value is NOT_READY:
+                                value = await channel.next(inflow)
+                        except EndOfChannel:
+                            raise PayloadError(
+                                f"{edge.src!r} sent no payload on edge {edge.name!r} to "
+                                f"{self.stage!r}"
+                            ) from None
+                        kwargs[param] = value
                 await self._produce(req, ctx, kwargs)
             except asyncio.CancelledError as exc:
                 # The error that ends a handler keeps, through its traceback, the finished

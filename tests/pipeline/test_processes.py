@@ -400,6 +400,34 @@ async def test_killed_worker_is_restarted_and_takes_its_slot_back() -> None:
         assert served[1] > 0, served
 
 
+async def test_a_restarted_replica_gets_its_upstream_stages_chunks_again() -> None:
+    """After a downstream replica is killed and restarted (at a new endpoint), the stage
+    upstream of it sends that replica's chunks to where it now listens, not where it was."""
+    s = spec({"first": ":Echo", "relay": {"impl": ":Echo", "replicas": 2}}, [("first", "relay")])
+    async with Pipeline(s) as pipe:
+        # Both replicas served, so the upstream stage has sent to each.
+        outs = await asyncio.gather(*(pipe.submit(Text(f"a{i}")) for i in range(8)))
+        assert [o.value for o in outs] == [f"a{i}" for i in range(8)]
+        victim = pipe.worker_pids[("relay", 0)]
+        os.kill(victim, signal.SIGKILL)
+
+        async def back() -> bool:
+            pid = pipe.worker_pids.get(("relay", 0))
+            stats = await pipe.statistics()
+            return pid not in (None, victim) and len(stats["replicas"]) == 3
+
+        await wait_for(back, timeout=20)
+        outs = await asyncio.gather(*(pipe.submit(Text(f"r{i}")) for i in range(40)))
+        assert [o.value for o in outs] == [f"r{i}" for i in range(40)]
+        served = {
+            r["replica"]: r["completed"]
+            for r in (await pipe.statistics())["replicas"]
+            if r["stage"] == "relay"
+        }
+        assert served[0] > 0, served  # the restarted replica's count starts again at 0
+        assert served[1] > 0, served
+
+
 async def test_a_stage_holding_the_loop_is_not_declared_dead() -> None:
     """A handler that blocks its event loop past the heartbeat timeout still completes."""
     s = spec({"hog": ":Hog"}, [], heartbeat_timeout="1s", heartbeat_interval="200ms")
