@@ -2,9 +2,13 @@
 streaming tokens to the client as they are produced and ending with a summary chunk.
 
 The cache is consumed layer by layer as it arrives and checked for order and completeness.
-The first token goes out alone, so the time to first token never waits for a full chunk;
-then tokens go out ``chunk_tokens`` at a time. The last chunk (``done=True``) carries the
-full text, every generated id, why generation stopped, and wall-clock timings.
+The first token goes out alone, so the time to first token never waits for a full chunk.
+After it, a chunk leaves when it holds ``chunk_tokens`` tokens, or when waiting for one
+more token (taking as long as the last one took) would keep its oldest token past
+``chunk_ms``: a fast model sends fewer, fuller chunks (each wakes the client), and a slow
+one sends each token as it is made.
+The last chunk (``done=True``) carries the full text, every generated id, why generation
+stopped, and wall-clock timings.
 
 Requests that decode at the same time share their steps (see :mod:`stages.step_batcher`):
 up to ``max_batch`` requests' next tokens come from one batched step, bit-for-bit the
@@ -36,14 +40,19 @@ class Decode(DecoderStage):
 
         Attributes:
             max_new_tokens: the most tokens generated per request.
-            chunk_tokens: tokens per streamed chunk after the first token.
+            chunk_tokens: the most tokens one streamed chunk holds (after the first token,
+                which goes alone).
+            chunk_ms: the longest a token is held back to share a chunk: a chunk leaves,
+                full or not, when waiting for the next token would keep its oldest
+                token longer (milliseconds; 0 sends every token as it is made).
             max_batch: the most requests whose decode steps run as one (1: never batch).
         """
 
         model_config = ConfigDict(extra="forbid")
 
         max_new_tokens: int = Field(32, ge=1, le=TINY_VLM.max_context)
-        chunk_tokens: int = Field(8, ge=1, le=TINY_VLM.max_context)
+        chunk_tokens: int = Field(16, ge=1, le=TINY_VLM.max_context)
+        chunk_ms: float = Field(20.0, ge=0.0, le=60_000.0)
         max_batch: int = Field(8, ge=1, le=256)
 
     batcher: StepBatcher
@@ -96,6 +105,9 @@ class Decode(DecoderStage):
         parts: list[str] = []
         generated: list[int] = []
         pending: list[int] = []
+        # When the oldest pending token and the latest token were made.
+        oldest = made = time.perf_counter()
+        budget_s = params.chunk_ms / 1e3
         t_first = t_kv
         steps = shared = 0
         model_s = 0.0
@@ -104,11 +116,19 @@ class Decode(DecoderStage):
             while decoding.has_token():
                 token = decoding.token
                 generated.append(token)
+                now = time.perf_counter()
+                gap, made = now - made, now  # the next token likely takes as long
+                if not pending:
+                    oldest = now
                 pending.append(token)
-                if len(generated) == 1 or len(pending) >= params.chunk_tokens:
+                if (
+                    len(generated) == 1
+                    or len(pending) >= params.chunk_tokens
+                    or now + gap - oldest >= budget_s
+                ):
                     parts.append(delta := text.push(pending))
                     if len(generated) == 1:
-                        t_first = time.perf_counter()
+                        t_first = now
                     yield DecodeChunk(token_ids=pending, text_delta=delta)
                     pending = []
                 if not decoding.wants_step():
