@@ -1039,8 +1039,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         metavar="N",
-        help="the decode stage's chunk_tokens instead of the config's (tokens per streamed "
-        "chunk: fewer chunks, fewer wake-ups of the client)",
+        help="the decode stage's chunk_tokens instead of the config's (the most tokens per "
+        "streamed chunk: fewer chunks, fewer wake-ups of the client)",
     )
     p.add_argument("--mono-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
