@@ -380,22 +380,38 @@ async def test_start_failure_exits_3_with_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in err
 
 
+async def _kill_and_wait_for_restart(pipe: Pipeline, stage: str, replicas: int) -> None:
+    """Kill ``stage``'s replica 0 with -9 and wait until a new process holds its slot and
+    ``replicas`` replicas (of every stage) are registered again."""
+    victim = pipe.worker_pids[(stage, 0)]
+    os.kill(victim, signal.SIGKILL)
+
+    async def back() -> bool:
+        pid = pipe.worker_pids.get((stage, 0))
+        stats = await pipe.statistics()
+        return pid not in (None, victim) and len(stats["replicas"]) == replicas
+
+    await wait_for(back, timeout=20)
+
+
+async def _served_after_40(pipe: Pipeline, stage: str) -> dict[int, int]:
+    """Submit 40 requests (each must come back whole); requests completed by each of
+    ``stage``'s replicas (a restarted one counts from 0)."""
+    outs = await asyncio.gather(*(pipe.submit(Text(f"r{i}")) for i in range(40)))
+    assert [o.value for o in outs] == [f"r{i}" for i in range(40)]
+    return {
+        r["replica"]: r["completed"]
+        for r in (await pipe.statistics())["replicas"]
+        if r["stage"] == stage
+    }
+
+
 async def test_killed_worker_is_restarted_and_takes_its_slot_back() -> None:
     """A replica killed with -9 is restarted, re-registers, and serves requests again."""
     s = spec({"echo": {"impl": ":Echo", "replicas": 2}}, [])
     async with Pipeline(s) as pipe:
-        victim = pipe.worker_pids[("echo", 0)]
-        os.kill(victim, signal.SIGKILL)
-
-        async def back() -> bool:
-            pid = pipe.worker_pids.get(("echo", 0))
-            stats = await pipe.statistics()
-            return pid not in (None, victim) and len(stats["replicas"]) == 2
-
-        await wait_for(back, timeout=20)
-        outs = await asyncio.gather(*(pipe.submit(Text(f"r{i}")) for i in range(40)))
-        assert [o.value for o in outs] == [f"r{i}" for i in range(40)]
-        served = {r["replica"]: r["completed"] for r in (await pipe.statistics())["replicas"]}
+        await _kill_and_wait_for_restart(pipe, "echo", 2)
+        served = await _served_after_40(pipe, "echo")
         assert served[0] > 0, served
         assert served[1] > 0, served
 
@@ -408,23 +424,9 @@ async def test_a_restarted_replica_gets_its_upstream_stages_chunks_again() -> No
         # Both replicas served, so the upstream stage has sent to each.
         outs = await asyncio.gather(*(pipe.submit(Text(f"a{i}")) for i in range(8)))
         assert [o.value for o in outs] == [f"a{i}" for i in range(8)]
-        victim = pipe.worker_pids[("relay", 0)]
-        os.kill(victim, signal.SIGKILL)
-
-        async def back() -> bool:
-            pid = pipe.worker_pids.get(("relay", 0))
-            stats = await pipe.statistics()
-            return pid not in (None, victim) and len(stats["replicas"]) == 3
-
-        await wait_for(back, timeout=20)
-        outs = await asyncio.gather(*(pipe.submit(Text(f"r{i}")) for i in range(40)))
-        assert [o.value for o in outs] == [f"r{i}" for i in range(40)]
-        served = {
-            r["replica"]: r["completed"]
-            for r in (await pipe.statistics())["replicas"]
-            if r["stage"] == "relay"
-        }
-        assert served[0] > 0, served  # the restarted replica's count starts again at 0
+        await _kill_and_wait_for_restart(pipe, "relay", 3)
+        served = await _served_after_40(pipe, "relay")
+        assert served[0] > 0, served
         assert served[1] > 0, served
 
 
