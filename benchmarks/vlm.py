@@ -63,6 +63,11 @@ Diagnostics (no targets), to say where the staged overhead comes from:
   (from /proc), and how busy the whole machine was (other tenants included).
 * two monolithic processes at once (full runs): the obvious alternative to staging on a
   2-core box.
+* the concurrency-1 pairs again with every stage worker, not only decode, pinned to the
+  monolithic child's vCPU (the client still free): the stages before decode then run on
+  the vCPU the monolithic process runs them on. The headline keeps them free, as a
+  deployment would; the difference says how much of the overhead is where they land
+  (this VM's vCPUs run at different speeds, and each has its own caches).
 * ``--decode-replicas N``: throughput again with N replicas of the decode stage (the
   bottleneck), paired with monolithic trials taken in the same minutes.
 """
@@ -122,6 +127,8 @@ class Config:
     ab_n: int = 0
     #: Whether to run the two-process monolithic diagnostic.
     mono2: bool = True
+    #: Whether to run each latency trial again with every stage on the child's vCPU.
+    pin_all_diag: bool = True
     #: Trials of each diagnostic (two monolithic processes; decode replicas).
     diag_trials: int = 3
     #: Warm-up requests on each side before the trials.
@@ -512,7 +519,13 @@ def _same_cpu(pids: list[int]) -> Iterator[None]:
 
 
 async def latency_pairs(
-    cfg: Config, mono: Mono, pipe: Pipeline, requests: list[VLMRequest], checker: Checker
+    cfg: Config,
+    mono: Mono,
+    pipe: Pipeline,
+    requests: list[VLMRequest],
+    checker: Checker,
+    *,
+    pin_all: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Sequential requests (concurrency 1), the two sides interleaved request by request.
 
@@ -521,13 +534,16 @@ async def latency_pairs(
     seconds (its vCPUs' share of the host), so each pair is measured in one machine
     state and the paired ratios compare like with like.
 
+    With ``pin_all`` every stage worker shares the child's vCPU, not only decode's.
+
     Returns:
         One latency trial of each side: (monolithic, staged).
     """
     mono_samples: list[dict[str, Any]] = []
     staged_samples: list[dict[str, Any]] = []
     mono_cpu = 0.0
-    with _same_cpu([mono.proc.pid, *_decode_pids(pipe)]):
+    staged_pids = list(pipe.worker_pids.values()) if pin_all else _decode_pids(pipe)
+    with _same_cpu([mono.proc.pid, *staged_pids]):
         meter = CpuMeter(pipe)
         deadline = time.monotonic() + 2 * cfg.trial_budget_s
         for k in range(cfg.latency_n):
@@ -656,6 +672,8 @@ async def _staged_trials(
     trials: dict[str, list[dict[str, Any]]] = {
         "mono_latency": [],
         "staged_latency": [],
+        "mono_latency_pin_all": [],
+        "staged_latency_pin_all": [],
         "mono_inference_mode_ab": [],
         "mono_throughput": [],
         "staged_throughput": [],
@@ -665,6 +683,13 @@ async def _staged_trials(
         mono_trial, staged_trial = await latency_pairs(cfg, mono, pipe, requests, checker)
         trials["mono_latency"].append(mono_trial)
         trials["staged_latency"].append(staged_trial)
+        if cfg.pin_all_diag:
+            _log(f"trial {t + 1}/{cfg.trials}: latency again, every stage on the child's vCPU")
+            mono_trial, staged_trial = await latency_pairs(
+                cfg, mono, pipe, requests, checker, pin_all=True
+            )
+            trials["mono_latency_pin_all"].append(mono_trial)
+            trials["staged_latency_pin_all"].append(staged_trial)
         if cfg.ab_n:
             trials["mono_inference_mode_ab"].append(
                 await mono_inference_mode_ab(cfg, mono, checker)
@@ -765,12 +790,17 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
 
     mono_e2e = med("mono_latency", "e2e_p50_ms")
     staged_e2e = med("staged_latency", "e2e_p50_ms")
+
     # Request k of a latency trial ran on both sides back to back, on the same input: the
     # median of the paired relative differences.
-    paired = [
-        [(b - a) / a for a, b in zip(mt["e2e_ms"], st["e2e_ms"], strict=True)]
-        for mt, st in zip(tr["mono_latency"], tr["staged_latency"], strict=True)
-    ]
+    def paired_trials(mono_key: str, staged_key: str) -> list[list[float]]:
+        return [
+            [(b - a) / a for a, b in zip(mt["e2e_ms"], st["e2e_ms"], strict=True)]
+            for mt, st in zip(tr[mono_key], tr[staged_key], strict=True)
+        ]
+
+    paired = paired_trials("mono_latency", "staged_latency")
+    pinned = paired_trials("mono_latency_pin_all", "staged_latency_pin_all")
     s: dict[str, Any] = {
         "mono": {
             "ttft_p50_ms": med("mono_latency", "ttft_p50_ms"),
@@ -806,6 +836,10 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "overhead_conc1": median([x for trial in paired for x in trial]),
         "overhead_conc1_p50s": (staged_e2e - mono_e2e) / mono_e2e,
         "trial_overheads": [median(trial) for trial in paired],
+        "overhead_conc1_pin_all": (
+            median([x for trial in pinned for x in trial]) if pinned else None
+        ),
+        "trial_overheads_pin_all": [median(trial) for trial in pinned],
         "trial_throughput_ratios": [
             s["req_per_s"] / m["req_per_s"]
             for m, s in zip(tr["mono_throughput"], tr["staged_throughput"], strict=True)
@@ -882,6 +916,15 @@ def build_rows(raw: dict[str, Any], s: dict[str, Any]) -> list[list[str]]:
         f"{1 + ov50:.3f}x",
         "report",
     )
+    ova = s["overhead_conc1_pin_all"]
+    if ova is not None:
+        row(
+            "staged overhead at conc 1, every stage on the child's vCPU (diagnostic)",
+            f"{ova * 100:+.1f}%",
+            "0%",
+            f"{1 + ova:.3f}x",
+            "-",
+        )
     tr = s["throughput_ratio"]
     row(
         f"throughput, conc {CONCURRENCY} (req/s)",
@@ -964,6 +1007,12 @@ def render(raw: dict[str, Any], s: dict[str, Any]) -> str:
         f"{raw['reference_lengths']} tokens)",
         "- per-trial overhead at conc 1 (median of the trial's pairs): "
         + ", ".join(f"{x * 100:+.1f}%" for x in s["trial_overheads"])
+        + (
+            "; with every stage on the child's vCPU: "
+            + ", ".join(f"{x * 100:+.1f}%" for x in s["trial_overheads_pin_all"])
+            if s["trial_overheads_pin_all"]
+            else ""
+        )
         + "; per-trial throughput ratio: "
         + ", ".join(f"{x:.2f}x" for x in s["trial_throughput_ratios"]),
         f"- monolithic steps p50 (ms): {_fmt_ms(mono['steps_p50_ms'])}",
