@@ -22,7 +22,6 @@ import structlog
 
 from pipeline._batching import Batcher
 from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget, file_run
-from pipeline._eager import start_now
 from pipeline._encoded import DECODE_ERRORS, Encoded
 from pipeline._errors import (
     EndOfChannel,
@@ -446,11 +445,7 @@ class StageActor:
             return
         req.started = True
         req.ctx = Context(req.request_id, self.stage, self.replica)
-        loop = asyncio.get_running_loop()
-        req.task = loop.create_task(self._run(req, req.ctx))
-        # The handler starts now, not a loop turn later: usually its input is here whole
-        # and it runs to its first wait (or its end) inside the callback that filed it.
-        start_now(loop, req.task)
+        req.task = asyncio.get_running_loop().create_task(self._run(req, req.ctx))
 
     # ---- the handler ---------------------------------------------------------------------
 

@@ -152,10 +152,9 @@ class Outbox:
     and system-call costs once per batch instead of once per chunk, and a single chunk
     waits at most one loop turn.
 
-    A process that has just read a frame sends at once what handling it queued (handlers
-    it started ran inside it: see ``pipeline._eager``), then calls :meth:`flush_soon`: the
-    tasks that frame woke run in the next loop turn, and what they send leaves at the end
-    of that same turn instead of one turn later.
+    A process that has just read a frame calls :meth:`flush_soon`: the tasks that frame
+    woke run in the next loop turn, and what they send leaves at the end of that same turn
+    instead of one turn later.
     """
 
     __slots__ = (
@@ -251,14 +250,10 @@ class Outbox:
     def flushing_after(
         self, on_message: Callable[[list[bytes]], None]
     ) -> Callable[[list[bytes]], None]:
-        """``on_message``, then what it queued leaves at once (handlers it started ran
-        inside it), and :meth:`flush_soon` for what the tasks it woke will send: what a
-        data reader should call."""
+        """``on_message`` followed by :meth:`flush_soon`: what a data reader should call."""
 
         def handle(frames: list[bytes]) -> None:
             on_message(frames)
-            if self._pending:
-                self.flush()
             self.flush_soon()
 
         return handle
