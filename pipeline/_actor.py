@@ -191,9 +191,9 @@ class StageActor:
         self._only_output: tuple[str, OutputChannel] | None = None
         self._peers: PeerTable = {}
         self._client: Peer | None = None
-        #: Each replica's (and the client's) SendTarget, built once per peer table.
-        self._peer_targets: dict[tuple[str, int], SendTarget] = {}
-        self._client_target: SendTarget | None = None
+        #: Each (stage, replica)'s SendTarget, the client's as (CLIENT, 0), built once per
+        #: peer table.
+        self._targets: dict[tuple[str, int], SendTarget] = {}
         self._requests: dict[str, _Request] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._sem = asyncio.Semaphore(plan.spec.max_concurrency)
@@ -231,10 +231,9 @@ class StageActor:
     def set_peers(self, peers: PeerTable, client: Peer | None = None) -> None:
         """Learn where every replica (and the client) receives data."""
         self._peers = peers
-        self._peer_targets = {}
+        self._targets = {}
         if client is not None:
             self._client = client
-            self._client_target = None
 
     def readers_gone(self, endpoints: set[str]) -> None:
         """Replicas that received data at ``endpoints`` are gone: let every output's
@@ -257,24 +256,15 @@ class StageActor:
             return target
         route = req.route
         assert route is not None
-        if dst == CLIENT:
-            target = self._client_target
-            if target is None:
-                assert self._client is not None
-                client = self._client
-                target = SendTarget(
-                    client.endpoint, client.host, local_pid(client.pid, client.pidns)
-                )
-                self._client_target = target
-        else:
-            replica = route[dst]
-            target = self._peer_targets.get((dst, replica))
-            if target is None:
-                peer = self._peers.get(dst, {}).get(replica)
-                if peer is None:
-                    raise StageUnavailable(dst, f"replica {replica} is not known to {self.stage!r}")
-                target = SendTarget(peer.endpoint, peer.host, local_pid(peer.pid, peer.pidns))
-                self._peer_targets[dst, replica] = target
+        replica = 0 if dst == CLIENT else route[dst]
+        target = self._targets.get((dst, replica))
+        if target is None:
+            peer = self._client if dst == CLIENT else self._peers.get(dst, {}).get(replica)
+            if peer is None:
+                raise StageUnavailable(dst, f"replica {replica} is not known to {self.stage!r}")
+            target = SendTarget(peer.endpoint, peer.host, local_pid(peer.pid, peer.pidns))
+            self._targets[dst, replica] = target
+        if dst != CLIENT:
             if req.admit is None:
                 req.admit = encode_message(Admit(req.request_id, route, self._token))
             self._send_data(target.endpoint, req.admit)

@@ -118,8 +118,8 @@ class ToFirstThenCount(Stage):
 
 async def _await_a_cancelled_helper() -> None:
     """Await a helper task that something else cancels: CancelledError, request or not."""
-    helper = asyncio.ensure_future(asyncio.sleep(10))
-    asyncio.get_running_loop().call_later(0.01, helper.cancel)
+    helper = asyncio.ensure_future(asyncio.Event().wait())  # ends only when cancelled
+    asyncio.get_running_loop().call_soon(helper.cancel)
     await helper
 
 
