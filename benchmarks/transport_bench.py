@@ -108,6 +108,7 @@ from transports import (  # noqa: E402
     create_transport,
     resolve_transport,
 )
+from transports._cuda_files import cuda_files_of  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -126,6 +127,10 @@ TARGET_SHM_HOP_X_MEMCPY = 2.0
 TARGET_SHM_STREAM_OF_MEMCPY = 0.70
 TARGET_NETWORK_OF_ZMQ = 0.80
 TARGET_HOP_X_WAKEUP = 1.5
+#: cuda_ipc: "hop latency flat in size (1 GiB at most 200 µs)". Flat is read as the largest
+#: size's hop at most 1.5x the smallest's; the bound is checked on the transport alone.
+TARGET_CUDA_FLAT = 1.5
+TARGET_CUDA_HOP_US = 200.0
 
 _log = PhaseLog("transports")
 #: Every process this run started (and this one): /dev/shm names carrying one are ours.
@@ -161,6 +166,14 @@ class Config:
     ray_object_store: int = 2 * GIB
     #: Deadline of any single blocking step (a request, a reply), in seconds.
     step_timeout_s: float = 30.0
+    #: Baselines skip sizes above this (0: none): a 1 GiB cuda_ipc hop needs no 1 GiB
+    #: pickle through a multiprocessing.Queue beside it.
+    baseline_max: int = 0
+
+    @property
+    def baseline_sizes(self) -> tuple[int, ...]:
+        """The sizes the baselines measure."""
+        return tuple(s for s in self.sizes if not self.baseline_max or s <= self.baseline_max)
 
 
 FULL = Config()
@@ -301,7 +314,7 @@ def _error(exc: BaseException) -> dict[str, Any]:
 def memcpy(cfg: Config) -> dict[str, Any]:
     """One warm ``numpy.copyto`` per size, into a preallocated, pre-faulted buffer."""
     out: dict[str, Any] = {}
-    for size in cfg.sizes:
+    for size in cfg.baseline_sizes:
         src = prefaulted(size)
         dst = np.zeros(size, np.uint8)  # np.zeros is lazy: touch every page before timing
         dst.fill(1)
@@ -395,7 +408,7 @@ def zmq_raw(cfg: Config, kind: str) -> dict[str, Any]:
         with hops._children() as procs:
             procs.append(hops._spawn([_ZMQ_SIZED_ECHO, *endpoints]))
             _PIDS.add(procs[-1].pid)
-            for size in cfg.sizes:
+            for size in cfg.baseline_sizes:
                 buf = prefaulted(size)
 
                 def once(buf: Any = buf) -> float:
@@ -446,7 +459,7 @@ def mp_queue(cfg: Config) -> dict[str, Any]:
     timeout = cfg.step_timeout_s
     out: dict[str, Any] = {}
     try:
-        for size in cfg.sizes:
+        for size in cfg.baseline_sizes:
             buf = prefaulted(size)
 
             def once(buf: Any = buf) -> float:
@@ -538,7 +551,7 @@ def ray_chain(cfg: Config) -> dict[str, Any]:
         ray.get(sender.hop.remote(1))
         out["startup_s"] = time.perf_counter() - t0
         timeout = cfg.step_timeout_s
-        for size in cfg.sizes:
+        for size in cfg.baseline_sizes:
 
             def once(size: int = size) -> float:
                 return float(ray.get(sender.hop.remote(size), timeout=timeout))
@@ -940,11 +953,26 @@ def shm_entries() -> dict[str, int]:
 
 def shm_report(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
     """What appeared in /dev/shm during the run, split into ours (a pid of ours in the name)
-    and others' (other tenants of this machine may create segments at the same time)."""
+    and others' (other tenants of this machine may create segments at the same time).
+
+    This process's own CUDA IPC files (it ran cuda_ipc in process) are still in use while
+    it reports; they go when it exits, so they are listed apart, not as left behind."""
     new = sorted(set(after) - set(before))
     pids = {str(p) for p in _PIDS}
-    ours = [n for n in new if any(p in n for p in pids)]
-    return {"left_ours": ours, "left_other": [n for n in new if n not in ours]}
+    own_cuda = set(cuda_files_of([os.getpid()]))
+    ours = [
+        n for n in new if n not in own_cuda and (n in cuda_files_of(_PIDS) or _names_pid(n, pids))
+    ]
+    return {
+        "left_ours": ours,
+        "left_other": [n for n in new if n not in ours and n not in own_cuda],
+        "own_cuda_files_removed_at_exit": sorted(own_cuda & set(new)),
+    }
+
+
+def _names_pid(name: str, pids: set[str]) -> bool:
+    """Whether a stagewire segment name holds one of ``pids`` as a whole field."""
+    return any(part in pids for part in re.split(r"[-_.]", name))
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -1126,6 +1154,18 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         add(f"1 KiB hop p50, {label} (pipeline)", name, sw, _get(sw, name, KIB, "hop", "p50_us"),
             wake, "pipe wake-up 1 KiB", TARGET_HOP_X_WAKEUP, False, _us,
             label in ("inline", "auto"))  # fmt: skip
+    cuda = given.get("cuda_ipc", "cuda_ipc")
+    sizes = sorted(r["config"]["sizes"])
+    for where, label in ((two, "transport alone, 2 procs"), (sw, "pipeline")):
+        # Flat in size: the largest payload's hop against the smallest's, and the bound.
+        big = _get(where, cuda, sizes[-1], "hop", "p50_us")
+        add(f"cuda_ipc {size_label(sizes[-1])} hop p50 ({label})", cuda, where, big,
+            _get(where, cuda, sizes[0], "hop", "p50_us"),
+            f"cuda_ipc {size_label(sizes[0])} hop", TARGET_CUDA_FLAT, False, _us,
+            len(sizes) > 1)  # fmt: skip
+        if where is two:
+            add(f"cuda_ipc {size_label(sizes[-1])} hop p50 ({label}), bound", cuda, where, big,
+                TARGET_CUDA_HOP_US, "the bound", 1.0, False, _us)  # fmt: skip
     aio = _get(b["pipe"], "asyncio_1024", "one_way_p50_us")
     add("1 KiB hop p50, inline (pipeline), vs the asyncio floor", inline, sw,
         _get(sw, inline, KIB, "hop", "p50_us"), aio, "asyncio pipe wake-up 1 KiB",
@@ -1288,6 +1328,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-ray", action="store_true", help="skip the Ray baseline")
     p.add_argument(
+        "--baseline-max",
+        metavar="SIZE",
+        help="measure the baselines only up to this size (e.g. 64MiB beside a 1GiB cuda_ipc run)",
+    )
+    p.add_argument(
         "--option",
         action="append",
         default=[],
@@ -1310,6 +1355,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, transports=tuple(args.transports.split(",")))
     if args.no_ray:
         cfg = replace(cfg, ray=False)
+    if args.baseline_max:
+        cfg = replace(cfg, baseline_max=int(parse_byte_size(args.baseline_max)))
     json_out = os.path.abspath(args.json) if args.json else None
     plot_out = os.path.abspath(args.plot) if args.plot else None
     os.chdir(ROOT)  # workers resolve "benchmarks.transport_stages" from the working directory

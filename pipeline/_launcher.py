@@ -182,9 +182,15 @@ class LocalLauncher:
 
 
 def _remove_shared_memory(pids: Iterable[int]) -> None:
-    """Unlink the shm segments owned by ``pids``, which have all exited."""
+    """Unlink the shm segments owned by ``pids``, which have all exited, and the files
+    that CUDA IPC left in /dev/shm for them."""
+    from transports._cuda_files import remove_cuda_files_of
     from transports.shm import remove_segments_of
 
+    pids = list(pids)
     removed = remove_segments_of(pids)
     if removed:
         log.info("shm_segments_removed", count=len(removed))
+    cuda = remove_cuda_files_of(pids)
+    if cuda:
+        log.info("cuda_ipc_files_removed", count=len(cuda))

@@ -1,4 +1,5 @@
-"""The cuda_ipc descriptor: a release-table token, device spans and the host part's descriptor.
+"""The cuda_ipc descriptor: a release-table token, device spans and the host part (or its
+descriptor).
 
 Handles, offsets and events travel as raw bytes and integers in msgspec Structs, never as
 pickles. Every field is bounded, so a forged descriptor fails to decode rather than reach
@@ -14,6 +15,7 @@ import msgspec
 
 from transports._cuda_release_table import NAME_PATTERN
 from transports._protocol import Descriptor, EdgeContext
+from transports.inline import InlineDescriptor
 
 __all__ = (
     "CudaIpcDescriptor",
@@ -58,10 +60,14 @@ class CudaIpcDescriptor(Descriptor, frozen=True, tag="cuda_ipc", array_like=True
     slot: _Count
     generation: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
     nbytes: _Size
-    #: The host-buffer transport's own descriptor, msgpack-encoded.
+    #: The host-buffer transport's own descriptor, msgpack-encoded; empty when the host
+    #: part travels in :attr:`host_inline` instead.
     host_part: bytes
     devices: tuple[DeviceRef, ...] = ()
     spans: tuple[DeviceSpan, ...] = ()
+    #: A small host part (the header, empty placeholders, a few small CPU buffers) carried
+    #: in the descriptor itself: no shm extent to write, read or release for it.
+    host_inline: InlineDescriptor | None = None
 
 
 _decoder = msgspec.msgpack.Decoder(CudaIpcDescriptor)
@@ -78,10 +84,14 @@ def host_edge(edge: EdgeContext, options: Mapping[str, Any]) -> EdgeContext:
     return EdgeContext(edge.edge, edge.host, dict(options), edge.inline_threshold, edge.bind_host)
 
 
-def chunks_by_transport(device_chunks: int, chunks: int, host_name: str) -> dict[str, int]:
-    """Chunks by what carried them: ``cuda_ipc`` for device payloads, the host transport's
-    name for host-only ones."""
+def chunks_by_transport(
+    device_chunks: int, chunks: int, host_name: str, inline_chunks: int = 0
+) -> dict[str, int]:
+    """Chunks by what carried them: ``cuda_ipc`` for device payloads; for host-only ones,
+    ``inline`` where they travelled in the descriptor, else the host transport's name."""
     counts = {"cuda_ipc": device_chunks}
-    if chunks - device_chunks:
-        counts[host_name] = chunks - device_chunks
+    if inline_chunks:
+        counts["inline"] = inline_chunks
+    if chunks - device_chunks - inline_chunks:
+        counts[host_name] = chunks - device_chunks - inline_chunks
     return counts

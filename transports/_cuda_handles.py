@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline._errors import TransportError
+from transports._cuda_files import note_cuda_ipc_used
 
 __all__ = (
     "EXPORTS",
@@ -85,6 +86,11 @@ def require_cuda(what: str) -> Any:
     Raises:
         TransportError: CUDA is not available in this process, or ``fork`` broke it.
     """
+    global _ready_in
+    if _ready_in == os.getpid():
+        # Checked already in this very process (a forked child has another pid and is
+        # checked afresh): every put and get asks, so the answer is kept.
+        return sys.modules["torch"]
     import torch
 
     if not torch.cuda.is_available():
@@ -98,7 +104,13 @@ def require_cuda(what: str) -> Any:
     # Python-side CUDA state (what torch.multiprocessing's rebuild calls _lazy_init for)
     # must exist before the private storage methods below run.
     torch.cuda.init()  # type: ignore[no-untyped-call]  # torch leaves init unannotated
+    _ready_in = os.getpid()
+    note_cuda_ipc_used()
     return torch
+
+
+#: The pid of the process in which :func:`require_cuda` last succeeded.
+_ready_in = 0
 
 
 _uuids: dict[int, str] = {}

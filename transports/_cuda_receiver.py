@@ -70,6 +70,8 @@ class CudaIpcReceiver(AsyncResource):
         self.chunks = 0
         self.bytes = 0
         self.device_chunks = 0
+        #: Host-only payloads that travelled in the descriptor.
+        self.inline_chunks = 0
         self.errors = 0
 
     def _error(self, message: str) -> TransportError:
@@ -136,15 +138,23 @@ class CudaIpcReceiver(AsyncResource):
         if state is not SlotState.LIVE or pin is None or pin.released:
             raise self._error(f"payload {generation} of slot {slot} is stale or already released")
         table.mark_reader(slot, generation, self._pid, self._namespace)
-        host_descriptor = self._host.decode_descriptor(descriptor.host_part)
-        host_part = await self._host.get(host_descriptor)
+        inline = descriptor.host_inline
+        host_descriptor: Descriptor | None = None
+        if inline is not None:
+            host_part = Encoded(inline.header, tuple(inline.buffers))
+        else:
+            host_descriptor = self._host.decode_descriptor(descriptor.host_part)
+            host_part = await self._host.get(host_descriptor)
         if not descriptor.spans:
             encoded = host_part
+            if inline is not None:
+                self.inline_chunks += 1
         else:
             try:
                 device_buffers = self._open(descriptor, pin, host_part)
             except BaseException as exc:
-                await self._host.release(host_descriptor)
+                if host_descriptor is not None:
+                    await self._host.release(host_descriptor)
                 if isinstance(exc, RuntimeError):
                     raise self._error(f"cannot map the payload's device buffers: {exc}") from exc
                 raise
@@ -229,8 +239,9 @@ class CudaIpcReceiver(AsyncResource):
         """
         if not isinstance(descriptor, CudaIpcDescriptor) or descriptor.host != self._edge.host:
             return
-        with contextlib.suppress(TransportError):
-            await self._host.release(self._host.decode_descriptor(descriptor.host_part))
+        if descriptor.host_inline is None:
+            with contextlib.suppress(TransportError):
+                await self._host.release(self._host.decode_descriptor(descriptor.host_part))
         key = (descriptor.table, descriptor.slot, descriptor.generation)
         with self._lock:
             pin = self._pins.get(key)
@@ -257,7 +268,9 @@ class CudaIpcReceiver(AsyncResource):
             errors=self.errors,
             latency_p50_us=self._latency.percentile(50),
             latency_p99_us=self._latency.percentile(99),
-            by_transport=chunks_by_transport(self.device_chunks, self.chunks, self._host_name),
+            by_transport=chunks_by_transport(
+                self.device_chunks, self.chunks, self._host_name, self.inline_chunks
+            ),
         )
 
     async def aclose(self) -> None:

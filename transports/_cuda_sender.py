@@ -41,6 +41,7 @@ from transports._cuda_release_table import ReleaseTable
 from transports._liveness import pid_alive, pid_namespace
 from transports._protocol import Descriptor, EdgeContext, Transport, TransportStatistics
 from transports._resource import AsyncResource
+from transports.inline import InlineDescriptor
 
 __all__ = ("LOCAL", "CudaIpcSender")
 
@@ -69,7 +70,7 @@ class _Held:
     nbytes: int
     buffers: dict[int, Any]
     events: tuple[PooledEvent, ...]
-    #: The host part's descriptor in the host transport.
+    #: The host part's descriptor in the host transport (None: it travelled inline).
     host_descriptor: Descriptor | None = None
     #: The process it was sent to, where the runtime said (0: unknown).
     reader: int = 0
@@ -130,7 +131,8 @@ def _linger_at_exit() -> None:
 
 
 class CudaIpcSender(AsyncResource):
-    """Producer end: exports device buffers, sends host buffers through shm, holds both."""
+    """Producer end: exports device buffers, sends host buffers inline or through shm,
+    holds both."""
 
     def __init__(
         self,
@@ -141,9 +143,11 @@ class CudaIpcSender(AsyncResource):
         capacity: int,
         slots: int,
         linger: float,
+        inline_host: int = 0,
     ) -> None:
         self._edge = edge
         self._capacity = capacity
+        self._inline_host = inline_host
         self._slots = slots
         self._linger = linger
         self._host = host.open_sender(host_edge(edge, host_options))
@@ -162,6 +166,8 @@ class CudaIpcSender(AsyncResource):
         self.chunks = 0
         self.bytes = 0
         self.device_chunks = 0
+        #: Host-only payloads that travelled in the descriptor.
+        self.inline_chunks = 0
         self.fallbacks = 0
         self.errors = 0
         self.reclaimed = 0
@@ -177,7 +183,8 @@ class CudaIpcSender(AsyncResource):
     async def put(
         self, key: ChunkKey, encoded: Encoded, *, timeout: float | None = None
     ) -> CudaIpcDescriptor:
-        """Hand ``encoded`` to the consumer: device buffers by IPC handle, the rest via shm.
+        """Hand ``encoded`` to the consumer: device buffers by IPC handle, the host part in
+        the descriptor when small, else via shm.
 
         Raises:
             TransportFull: the payload exceeds the capacity, or no room was released
@@ -210,13 +217,20 @@ class CudaIpcSender(AsyncResource):
         events: tuple[PooledEvent, ...] = ()
         devices: tuple[DeviceRef, ...] = ()
         spans: tuple[DeviceSpan, ...] = ()
+        host_descriptor: Descriptor | None = None
+        inline: InlineDescriptor | None = None
         try:
             host_part = encoded
             if device_buffers:
                 buffers, devices, spans, events = self._export(device_buffers)
                 host_part = Encoded(encoded.header, encoded.buffers)
-            remaining = None if deadline is None else max(0.0, deadline - loop.time())
-            host_descriptor = await self._host.put(key, host_part, timeout=remaining)
+            if host_part.nbytes <= self._inline_host:
+                # Copied now, like the inline transport: the descriptor is sent later.
+                host_buffers = [bytes(b) for b in host_part.buffers]
+                inline = InlineDescriptor(bytes(host_part.header), host_buffers)
+            else:
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                host_descriptor = await self._host.put(key, host_part, timeout=remaining)
         except BaseException as exc:
             self._unreserve(slot, size, events)
             if isinstance(exc, RuntimeError):
@@ -233,6 +247,8 @@ class CudaIpcSender(AsyncResource):
         if buffers:
             LOCAL[(table.name, slot, generation)] = (buffers, events)
             self.device_chunks += 1
+        elif inline is not None:
+            self.inline_chunks += 1
         self.chunks += 1
         self.bytes += size
         self._arm_timer(loop)
@@ -244,9 +260,10 @@ class CudaIpcSender(AsyncResource):
             slot,
             generation,
             size,
-            encode_part(host_descriptor),
+            b"" if host_descriptor is None else encode_part(host_descriptor),
             devices,
             spans,
+            inline,
         )
 
     def _unreserve(self, slot: int, size: int, events: tuple[PooledEvent, ...]) -> None:
@@ -447,7 +464,9 @@ class CudaIpcSender(AsyncResource):
             errors=self.errors,
             latency_p50_us=self._latency.percentile(50),
             latency_p99_us=self._latency.percentile(99),
-            by_transport=chunks_by_transport(self.device_chunks, self.chunks, self._host_name),
+            by_transport=chunks_by_transport(
+                self.device_chunks, self.chunks, self._host_name, self.inline_chunks
+            ),
             held=self.held[0],
         )
 

@@ -6,9 +6,10 @@ producer exports the caching-allocator segment that holds each one (once per sto
 stream, and sends only ``(handle, offset, size, device UUID, event)``. The consumer maps
 each segment once per process on its own index of that GPU, makes its current stream wait
 for the event, and hands out flat uint8 tensors over the mapped bytes, which the codec
-views as the payload's tensors. The header and any CPU tensors travel through the ``shm``
-transport (a nested descriptor), and a payload with nothing on a device goes through it
-entirely.
+views as the payload's tensors. The header and any CPU tensors travel in the descriptor
+itself while they are small (``inline_host``, 8 KiB by default: a header and its empty
+placeholders always are), else through the ``shm`` transport (a nested descriptor); a
+payload with nothing on a device goes the same way.
 
 Lifetime. The producer holds every buffer of a payload until the consumer is done with
 it: the consumer has called ``release`` *and* torch has freed every tensor over the bytes
@@ -63,6 +64,8 @@ DEFAULT_CAPACITY = 4 * 2**30
 #: Payloads a sender tracks at once, when the options name no number of slots.
 DEFAULT_SLOTS = 4096
 _DEFAULT_LINGER_S = 2.0
+#: Host parts up to this many bytes travel inside the descriptor, not through shm.
+DEFAULT_INLINE_HOST = 8 * 2**10
 
 
 #: The shm arena of a cuda_ipc sender, when ``shm_options`` name no capacity: it carries
@@ -84,6 +87,8 @@ class CudaIpcTransport:
         shm_options: options of the shm transport that carries host buffers.
         linger: seconds a process waits at exit for consumers still reading payloads of
             its closed senders.
+        inline_host: host parts (header and CPU buffers) of at most this many bytes travel
+            inside the descriptor instead of through shm; 0 sends every one through shm.
     """
 
     name: ClassVar[str] = "cuda_ipc"
@@ -98,6 +103,7 @@ class CudaIpcTransport:
         slots: int = DEFAULT_SLOTS,
         shm_options: Mapping[str, Any] | None = None,
         linger: float = _DEFAULT_LINGER_S,
+        inline_host: int | str = DEFAULT_INLINE_HOST,
     ) -> None:
         # The registry turns TypeError into ConfigError, so every bad option raises one.
         try:
@@ -106,6 +112,10 @@ class CudaIpcTransport:
             raise TypeError(f"capacity: {exc}") from None
         if self.capacity < 1:
             raise TypeError(f"capacity must be at least one byte, got {capacity!r}")
+        try:
+            self.inline_host = parse_byte_size(inline_host)
+        except ValueError as exc:
+            raise TypeError(f"inline_host: {exc}") from None
         if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 2**20:
             raise TypeError(f"slots must be an int between 1 and {2**20}, got {slots!r}")
         if shm_options is not None and not isinstance(shm_options, Mapping):
@@ -131,6 +141,7 @@ class CudaIpcTransport:
             capacity=self.capacity,
             slots=self.slots,
             linger=self.linger,
+            inline_host=self.inline_host,
         )
 
     def open_receiver(self, edge: EdgeContext) -> CudaIpcReceiver:

@@ -35,6 +35,7 @@ import torch
 from pipeline._codec import codec_for
 from pipeline._host import host_identity
 from pipeline._keys import ChunkKey
+from transports._cuda_files import remove_cuda_files_of
 from transports._cuda_handles import OPENED
 from transports._protocol import EdgeContext
 from transports.cuda_ipc import CudaIpcDescriptor, CudaIpcTransport
@@ -158,6 +159,9 @@ class Peer:
         try:
             return self.process.wait(timeout)
         finally:
+            # What the CUDA driver and torch left in /dev/shm for the peer, however it ended.
+            if self.process.poll() is not None:
+                remove_cuda_files_of([self.process.pid])
             for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
                 if stream is not None:
                     stream.close()

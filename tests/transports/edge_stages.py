@@ -7,6 +7,8 @@ can tell a chunk that arrived twice, out of order or with someone else's bytes.
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -162,3 +164,27 @@ class TensorDrain(Stage):
     async def process(self, pieces: Stream[TensorPiece], ctx: Context) -> Text:
         assert isinstance(self.params, TensorDrain.Params)
         return await _verify(pieces, self.params.delay)
+
+
+def make_cuda_files(pid: int) -> list[str]:
+    """Create, for process ``pid``, the two files CUDA IPC leaves in /dev/shm (the driver's
+    and torch's reference counts), named as they name them; their paths."""
+    paths = [
+        f"/dev/shm/cuda.shm.{os.getuid()}.{pid:x}.1",
+        f"/dev/shm/torch_{pid}_{secrets.randbelow(2**31)}_0",
+    ]
+    for path in paths:
+        with open(path, "wb") as f:
+            f.write(b"\0" * 64)
+    return paths
+
+
+class LeavesCudaFiles(Stage):
+    """Echoes its text, having made this process's CUDA IPC files at setup: what a worker
+    that shared GPU memory leaves behind when it is killed."""
+
+    async def setup(self) -> None:
+        make_cuda_files(os.getpid())
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        return text

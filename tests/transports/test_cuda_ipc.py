@@ -38,9 +38,10 @@ from pipeline._keys import ChunkKey
 from pipeline.testing import TransportConformance
 from stages.text import Text
 from tests.pipeline.conftest import wait_for
-from tests.transports.cuda_ipc_peer import Peer, Tensors, descriptor_line, fingerprint
+from tests.transports.cuda_ipc_peer import ROOT, Peer, Tensors, descriptor_line, fingerprint
 from transports import EdgeContext, Transport, create_transport
 from transports._cuda_dlpack import live_wrappers, wrap_memory
+from transports._cuda_files import cuda_files_of
 from transports._cuda_handles import EXPORTS, check_start_method, require_cuda
 from transports._cuda_release_table import ReleaseTable, SlotState, sweep_dead_tables
 from transports.cuda_ipc import (
@@ -106,10 +107,41 @@ async def test_cpu_payload_round_trips_via_the_host_path(
     await receiver.release(descriptor)
     for want, tensor in zip(payload.tensors, got.tensors, strict=True):
         assert torch.equal(want, tensor)
-    host = sender._host_name
-    assert sender.statistics().by_transport == {"cuda_ipc": 0, host: 1}
-    assert receiver.statistics().by_transport == {"cuda_ipc": 0, host: 1}
+    # Small enough to travel in the descriptor: no shm extent written for it.
+    assert descriptor.host_inline is not None and descriptor.host_part == b""
+    assert sender.statistics().by_transport == {"cuda_ipc": 0, "inline": 1}
+    assert receiver.statistics().by_transport == {"cuda_ipc": 0, "inline": 1}
     assert sender.held == (0, 0)
+
+
+@pytest.mark.parametrize("inline_host", [0, 1000, "8KiB"])
+async def test_host_parts_over_the_inline_limit_go_through_shm(
+    edge: EdgeContext, inline_host: int | str
+) -> None:
+    """A host part of at most ``inline_host`` bytes travels in the descriptor, a larger
+    one through shm (every one with 0); both arrive intact and are released."""
+    transport = CudaIpcTransport(capacity=4 * MiB, inline_host=inline_host)
+    limit = transport.inline_host
+    codec = codec_for(Tensors)
+    async with transport.open_sender(edge) as sender, transport.open_receiver(edge) as receiver:
+        for i, n in enumerate((4, 200, 2000, 100_000)):
+            payload = Tensors([torch.arange(n, dtype=torch.float64)])
+            encoded = codec.encode(payload)
+            raw = msgspec.msgpack.encode(await sender.put(_key(i), encoded, timeout=5))
+            descriptor = receiver.decode_descriptor(raw)
+            inline = encoded.nbytes <= limit
+            assert (descriptor.host_inline is not None) is inline, (n, limit)
+            assert (descriptor.host_part == b"") is inline
+            got = codec.decode(await receiver.get(descriptor))
+            assert torch.equal(got.tensors[0], payload.tensors[0])
+            await receiver.release(descriptor)
+        stats = sender.statistics()
+        host = sender._host_name
+        inlined = {0: 0, 1000: 1, 8192: 2}[limit]
+        want = {"cuda_ipc": 0, "inline": inlined, host: 4 - inlined}
+        assert stats.by_transport == {k: v for k, v in want.items() if v or k == "cuda_ipc"}
+        assert receiver.statistics().by_transport == stats.by_transport
+        assert sender.held == (0, 0)
 
 
 async def test_release_frees_capacity_without_a_message(
@@ -195,8 +227,9 @@ async def test_payload_sent_to_a_consumer_dead_before_reading_is_let_go(
     once consumers are declared gone; one sent to a live process is kept."""
     transport = CudaIpcTransport(capacity=MiB)
     async with transport.open_sender(edge) as sender:
-        to_dead = await sender.put(_key(0), Encoded(b"h", (bytes(1000),)), timeout=5)
-        to_live = await sender.put(_key(1), Encoded(b"h", (bytes(1000),)), timeout=5)
+        # Over the inline limit, so each host part takes an shm extent.
+        to_dead = await sender.put(_key(0), Encoded(b"h", (bytes(20_000),)), timeout=5)
+        to_live = await sender.put(_key(1), Encoded(b"h", (bytes(20_000),)), timeout=5)
         sender.note_reader(to_dead, "tcp://127.0.0.1:1", _exited_pid())
         sender.note_reader(to_live, "tcp://127.0.0.1:2", os.getpid())
         assert sender.held[0] == 2
@@ -258,8 +291,24 @@ def test_transport_constructs_without_cuda(edge: EdgeContext) -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"capacity": "lots"}, {"capacity": 0}, {"slots": 0}, {"slots": True}, {"linger": -1}],
-    ids=["capacity-text", "capacity-zero", "slots-zero", "slots-bool", "linger"],
+    [
+        {"capacity": "lots"},
+        {"capacity": 0},
+        {"slots": 0},
+        {"slots": True},
+        {"linger": -1},
+        {"inline_host": -1},
+        {"inline_host": "small"},
+    ],
+    ids=[
+        "capacity-text",
+        "capacity-zero",
+        "slots-zero",
+        "slots-bool",
+        "linger",
+        "inline-host-negative",
+        "inline-host-text",
+    ],
 )
 def test_bad_options_are_config_errors(options: dict[str, Any]) -> None:
     """Every bad option is a ConfigError naming the transport."""
@@ -494,7 +543,9 @@ async def test_payloads_held_for_a_killed_consumer_are_taken_back(device: str) -
         flood = next(r for r in stats["replicas"] if r["stage"] == "flood")
         return flood["outputs"][0]["transports"]["cuda_ipc"]  # type: ignore[no-any-return]
 
+    pids: set[int] = set()
     async with Pipeline(spec) as pipe:
+        pids.update(pipe.worker_pids.values())
         task = asyncio.ensure_future(pipe.submit(Text("go")))
         seen: dict[str, int] = {}
 
@@ -514,6 +565,10 @@ async def test_payloads_held_for_a_killed_consumer_are_taken_back(device: str) -
             return (await counters())["held"] == 0
 
         await wait_for(taken_back, timeout=30)
+        pids.update(pipe.worker_pids.values())
+    # On a GPU the driver and torch made files in /dev/shm for both workers (the consumer
+    # killed -9, the producer stopped): none is left.
+    assert cuda_files_of(pids) == []
 
 
 # ---- CUDA tensors: gpu-marked, skipped without a device -----------------------------------
@@ -574,6 +629,31 @@ async def test_cuda_round_trip_across_processes(edge: EdgeContext) -> None:
             assert sender.statistics().by_transport == {"cuda_ipc": 3}
     finally:
         assert peer.close() == 0, peer.stderr()
+    assert cuda_files_of([peer.process.pid]) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_a_process_that_shared_gpu_memory_leaves_no_file_at_a_clean_exit() -> None:
+    """While it runs, a producer has the driver's and torch's files in /dev/shm; after a
+    clean exit neither is left (the driver's own is removed by stagewire's exit hook)."""
+    code = (
+        "import os, torch\n"
+        "from transports._cuda_files import cuda_files_of\n"
+        "from transports._cuda_handles import EXPORTS, EventPool, require_cuda\n"
+        "require_cuda('put')\n"
+        "t = torch.ones(1 << 20, dtype=torch.uint8, device='cuda')\n"
+        "EXPORTS.export(t)\n"
+        "EventPool().record(0)\n"
+        "print(os.getpid(), *cuda_files_of([os.getpid()]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    pid, *files = done.stdout.split()
+    assert sorted(f.split(".")[0].split("_")[0] for f in files) == ["cuda", "torch"], files
+    assert cuda_files_of([int(pid)]) == []
 
 
 @pytest.mark.gpu
