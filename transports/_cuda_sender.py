@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -118,16 +119,27 @@ def _sweep_orphans() -> None:
 
 @atexit.register
 def _linger_at_exit() -> None:
-    """At exit, give consumers still reading a closed sender's payloads a moment to finish.
+    """At exit, give consumers still reading a closed sender's payloads a moment to finish,
+    then free the exported storages nothing refers to any more.
 
     CUDA frees a process's memory when it exits, under any consumer still using it
     (vLLM #6025); this waits up to each sender's ``linger`` for its payloads.
+
+    torch checks at its own exit, after every Python hook, whether a storage it exported
+    is still alive; if one is, it warns that the producer terminated before its shared
+    tensors were released and keeps its reference-count file. A worker's objects are
+    frozen out of the collector (and a stage's cycles hold its tensors), so they would
+    still be alive then: an unfreeze and a collection free them first. What module
+    globals still hold stays, and is rightly warned about.
     """
     while _orphans:
         _sweep_orphans()
         if all(o.deadline <= time.monotonic() for o in _orphans):
             break
         time.sleep(0.01)
+    if EXPORTS.exports:
+        gc.unfreeze()
+        gc.collect()
 
 
 class CudaIpcSender(AsyncResource):
