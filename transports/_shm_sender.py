@@ -167,8 +167,11 @@ class ShmSender(AsyncResource):
         by the first put that needs it; concurrent puts share the one creation."""
         creating = self._creating
         if creating is None:
-            work = asyncio.to_thread(create_segment, self._capacity, self._slot_count)
-            creating = self._creating = asyncio.ensure_future(work)
+            # An executor future, not a task: the loop's shutdown cancels every task, and a
+            # cancelled creation would drop the segment its thread goes on to make.
+            creating = self._creating = asyncio.get_running_loop().run_in_executor(
+                None, create_segment, self._capacity, self._slot_count
+            )
             creating.add_done_callback(self._created)
         try:
             # Shielded: a cancelled put must not abandon a segment half made.

@@ -12,6 +12,7 @@ import gc
 import itertools
 import os
 import resource
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -710,3 +711,46 @@ async def test_device_buffers_are_staged_through_the_host(
     assert [bytes(b) for b in got.buffers] == [bytes(range(200)), b"host"]
     del got
     await receiver.release(desc)
+
+
+_CLOSED_AT_SHUTDOWN = """
+import asyncio, os, sys
+from pipeline._encoded import Encoded
+from pipeline._host import host_identity
+from pipeline._keys import ChunkKey
+from transports import EdgeContext
+from transports.shm import ShmTransport, list_segments
+
+async def produce(sender):
+    try:
+        await sender.put(ChunkKey("r", "a->b", 0), Encoded(b"h", (b"x",)), timeout=30)
+    finally:
+        await sender.aclose()
+
+async def main():
+    sender = ShmTransport(capacity="512MiB").open_sender(EdgeContext("a->b", host_identity()))
+    asyncio.ensure_future(produce(sender))
+    # Return while the segment is being made (reserving and pre-faulting 512 MiB takes a
+    # while): the loop's shutdown then cancels the producer and the creation at once.
+    await asyncio.sleep(0.02)
+
+asyncio.run(main())
+print("LEFT", *[n for n in list_segments() if f"-{os.getpid()}-" in n])
+"""
+
+
+def test_a_segment_made_while_the_loop_shuts_down_is_removed_at_once() -> None:
+    """A put whose segment is still being made when ``asyncio.run`` cancels every task,
+    and whose sender closes in that cancellation, leaves no segment behind, not even until
+    the process exits."""
+    if free_space() < 2**30:
+        pytest.skip("needs 1 GiB free in /dev/shm")
+    done = subprocess.run(
+        [sys.executable, "-c", _CLOSED_AT_SHUTDOWN],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["LEFT"], done.stdout
