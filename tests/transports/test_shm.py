@@ -730,9 +730,10 @@ async def produce(sender):
 async def main():
     sender = ShmTransport(capacity="512MiB").open_sender(EdgeContext("a->b", host_identity()))
     asyncio.ensure_future(produce(sender))
-    # Return while the segment is being made (reserving and pre-faulting 512 MiB takes a
-    # while): the loop's shutdown then cancels the producer and the creation at once.
-    await asyncio.sleep(0.02)
+    # Return as soon as the segment is being made (reserving and pre-faulting 512 MiB
+    # takes a while): the loop's shutdown then cancels the producer and the creation.
+    while sender._creating is None:
+        await asyncio.sleep(0)
 
 asyncio.run(main())
 print("LEFT", *[n for n in list_segments() if f"-{os.getpid()}-" in n])
