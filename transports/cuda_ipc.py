@@ -7,9 +7,9 @@ stream, and sends only ``(handle, offset, size, device UUID, event)``. The consu
 each segment once per process on its own index of that GPU, makes its current stream wait
 for the event, and hands out flat uint8 tensors over the mapped bytes, which the codec
 views as the payload's tensors. The header and any CPU tensors travel in the descriptor
-itself while they are small (``inline_host``, 8 KiB by default: a header and its empty
-placeholders always are), else through the ``shm`` transport (a nested descriptor); a
-payload with nothing on a device goes the same way.
+itself while they are small (``inline_host``, 8 KiB by default, which a header and its
+empty placeholders rarely exceed), else through the ``shm`` transport (a nested
+descriptor); a payload with nothing on a device goes the same way.
 
 Lifetime. The producer holds every buffer of a payload until the consumer is done with
 it: the consumer has called ``release`` *and* torch has freed every tensor over the bytes
