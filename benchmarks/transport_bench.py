@@ -960,9 +960,8 @@ def shm_report(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
     new = sorted(set(after) - set(before))
     pids = {str(p) for p in _PIDS}
     own_cuda = set(cuda_files_of([os.getpid()]))
-    ours = [
-        n for n in new if n not in own_cuda and (n in cuda_files_of(_PIDS) or _names_pid(n, pids))
-    ]
+    cuda = set(cuda_files_of(_PIDS)) - own_cuda
+    ours = [n for n in new if n not in own_cuda and (n in cuda or _names_pid(n, pids))]
     return {
         "left_ours": ours,
         "left_other": [n for n in new if n not in ours and n not in own_cuda],
