@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stages.model import TINY_VLM, GreedyDecoding, LayerKV, TinyVLM
-from stages.step_batcher import StepBatcher, loop_has_work
+from stages.step_batcher import StepBatcher
 from tests.stages.conftest import single_thread
 
 SEED = 4321
@@ -216,21 +216,6 @@ async def test_a_request_alone_skips_loop_turns_with_nothing_to_run(model: TinyV
         took = time.perf_counter() - t0
     assert got == expected and len(fired) == 1 and fired[0] < took, (fired, took)
     assert batcher.yields > before
-
-
-def test_loop_has_work_sees_ready_callbacks_and_knows_no_other_loop() -> None:
-    """A ready callback counts as work; an event loop of another kind always has work."""
-
-    async def probe() -> tuple[bool, bool]:
-        loop = asyncio.get_running_loop()
-        idle = loop_has_work(loop)
-        handle = loop.call_soon(lambda: None)
-        busy = loop_has_work(loop)
-        handle.cancel()
-        return idle, busy
-
-    assert asyncio.run(probe()) == (False, True)
-    assert loop_has_work(object())  # type: ignore[arg-type]  # not an asyncio loop
 
 
 async def test_requests_that_cannot_batch_take_turns_step_by_step(model: TinyVLM) -> None:
