@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import Any, Self
 
@@ -182,18 +182,31 @@ class Pipeline:
         """Pids of the local worker processes still running, by (stage, replica)."""
         return self._launcher.pids if self._launcher else {}
 
+    def waiting_for(self) -> list[str]:
+        """The replicas expected but not yet ready, as ``stage[k]`` (empty once started)."""
+        return self._master_or_fail().waiting_for()
+
     @property
     def data_endpoints(self) -> dict[tuple[str, int], str]:
         """Where each registered replica receives data, by (stage, replica)."""
         master = self._master_or_fail()
         return {key: rep.endpoint for key, rep in master.replicas.items() if rep.alive}
 
-    async def start(self, *, launch: bool = True) -> None:
+    async def start(
+        self, *, launch: bool = True, on_listening: Callable[[str], None] | None = None
+    ) -> None:
         """Start the master and (unless ``launch`` is false) every local worker.
+
+        Args:
+            launch: start every replica here; when false, the workers are started elsewhere
+                (``stagewire worker --master ENDPOINT --stage NAME``, on this host or
+                others) and this waits for them to register.
+            on_listening: called with the master's control endpoint as soon as it is bound,
+                before waiting for any worker (to tell external workers where to connect).
 
         Raises:
             StageUnavailable: replicas did not become ready within ``startup_timeout``.
-            PipelineError: a stage failed to import or set up.
+            PipelineError: a stage failed to import or set up, or the master cannot bind.
         """
         if not structlog.is_configured():
             configure_logging()
@@ -203,6 +216,8 @@ class Pipeline:
         except BaseException:
             await self.aclose()  # its sockets and context, bound or not
             raise
+        if on_listening is not None:
+            on_listening(self._master.endpoint)
         if launch:
             self._launcher = LocalLauncher(
                 self.spec,

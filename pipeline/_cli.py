@@ -3,6 +3,7 @@
 ::
 
     stagewire run CONFIG [--input JSON | --input-file FILE.jsonl] [--requests N] [--concurrency C]
+                  [--external-workers] [--bind tcp://HOST:PORT]
     stagewire validate CONFIG
     stagewire worker --master tcp://HOST:PORT --stage NAME [--replica K] [--headless]
 
@@ -25,11 +26,13 @@ from typing import Any
 
 import msgspec
 import structlog
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline import _collector
 from pipeline._api import Pipeline
+from pipeline._config import MasterSpec
 from pipeline._errors import ConfigError, PayloadError, PipelineError, StageError
 from pipeline._logging import configure_logging
 from pipeline._report import render_tables
@@ -99,21 +102,93 @@ def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
     return values
 
 
-async def _run(args: argparse.Namespace, console: Console) -> int:
+def _load(args: argparse.Namespace) -> Pipeline:
+    """The pipeline of ``args.config``, its master bound where ``--bind`` says.
+
+    Raises:
+        _Fail: the file or the bind address is invalid (exit code 2).
+    """
     try:
         pipe = Pipeline.from_yaml(args.config)
     except ConfigError as exc:
         raise _Fail(str(exc), EXIT_CONFIG) from exc
+    bind = args.bind or pipe.spec.master.bind
+    if args.external_workers and _WILDCARD.match(bind):
+        raise _Fail(
+            f"--external-workers with the master bound to {bind!r}: workers are told the "
+            "address the master binds, so bind one they can reach, such as "
+            "tcp://10.0.0.5:7600 (an address of this host), not a wildcard",
+            EXIT_CONFIG,
+        )
+    if args.bind:
+        try:
+            spec = pipe.spec.model_copy(update={"master": MasterSpec(bind=args.bind)})
+        except ValidationError as exc:
+            message = exc.errors()[0]["msg"]
+            raise _Fail(f"--bind {args.bind!r}: {message}", EXIT_CONFIG) from None
+        pipe = Pipeline(spec)
+    return pipe
+
+
+#: A bind address that no remote worker could connect to as given.
+_WILDCARD = re.compile(r"tcp://(\*|0\.0\.0\.0|\[::\]|\[::0\]):")
+
+
+async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> None:
+    """Start the master and its workers: launched here, or (``--external-workers``) started
+    by the user with the commands this prints, while a status line names those missing.
+
+    Raises:
+        _Fail: the pipeline did not start (exit code 3).
+    """
+    workers = sum(s.replicas for s in pipe.spec.stages.values())
+    if not args.external_workers:
+        with console.status(f"starting {pipe.spec.name}: {workers} workers"):
+            try:
+                await pipe.start()
+            except PipelineError as exc:
+                raise _Fail(str(exc), EXIT_START) from exc
+        return
+
+    listening: list[str] = []
+
+    def announce(endpoint: str) -> None:
+        listening.append(endpoint)
+        # Plain lines, unwrapped, so they can be copied (or read by a script).
+        lines = [f"master listening on {endpoint}; start each worker (any host, any order):"]
+        for stage, sspec in pipe.spec.stages.items():
+            for k in range(sspec.replicas):
+                lines.append(
+                    f"  stagewire worker --master {endpoint} --stage {stage} --replica {k}"
+                )
+        sys.stderr.write("\n".join(lines) + "\n")
+        sys.stderr.flush()
+
+    timeout = pipe.spec.defaults.startup_timeout
+    with console.status(f"waiting for {workers} workers (up to {timeout:g}s)") as status:
+        starting = asyncio.ensure_future(pipe.start(launch=False, on_listening=announce))
+        try:
+            while not (await asyncio.wait([starting], timeout=0.5))[0]:
+                missing = pipe.waiting_for() if listening else []
+                if missing:
+                    status.update(
+                        f"waiting for {len(missing)} of {workers} workers: {', '.join(missing)}"
+                    )
+            await starting
+        except PipelineError as exc:
+            raise _Fail(str(exc), EXIT_START) from exc
+        finally:
+            if not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+
+
+async def _run(args: argparse.Namespace, console: Console) -> int:
+    pipe = _load(args)
     inputs = _read_inputs(pipe, args)
     total = args.requests or len(inputs)
     t0 = time.perf_counter()
-    with console.status(
-        f"starting {pipe.spec.name}: {sum(s.replicas for s in pipe.spec.stages.values())} workers"
-    ):
-        try:
-            await pipe.start()
-        except PipelineError as exc:
-            raise _Fail(str(exc), EXIT_START) from exc
+    await _start(pipe, args, console)
     _collector.settle()
     started = time.perf_counter() - t0
     log.info("run_started", pipeline=pipe.spec.name, requests=total, startup_s=round(started, 3))
@@ -217,7 +292,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagewire", description="Staged inference pipelines.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a pipeline locally over a batch of inputs")
+    run = sub.add_parser(
+        "run", help="run a pipeline over a batch of inputs (workers local, or started elsewhere)"
+    )
     run.add_argument("config")
     group = run.add_mutually_exclusive_group()
     group.add_argument("--input", help="one input as JSON")
@@ -227,6 +304,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--concurrency", type=_count(1), default=8, help="requests in flight")
     run.add_argument("--print-outputs", action="store_true", help="print every output")
+    run.add_argument(
+        "--external-workers",
+        action="store_true",
+        help="start no workers here: print the `stagewire worker` command for each replica "
+        "and wait (up to defaults.startup_timeout) until every one has registered",
+    )
+    run.add_argument(
+        "--bind",
+        metavar="tcp://HOST:PORT",
+        help="where the master listens (instead of the config's master.bind)",
+    )
     run.add_argument(
         "--show-stream",
         nargs="?",

@@ -1,0 +1,149 @@
+"""``stagewire run --external-workers``: a master that launches nothing, and headless
+``stagewire worker`` processes started by hand (here, by the test) that find it.
+
+Real processes and sockets on the loopback address: the run prints where it listens and
+the command for each replica, waits for them, serves the batch, and shuts the workers down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.pipeline.conftest import wait_for
+from tests.procs import alive
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo.yaml"
+INPUTS = ROOT / "configs" / "demo-inputs.jsonl"
+
+
+def _start(*args: str, err: Path, out: Path | None = None) -> subprocess.Popen[bytes]:
+    """``python -m pipeline ARGS`` in its own session, stderr (and stdout) to files."""
+    with err.open("wb") as e, (out or Path(os.devnull)).open("wb") as o:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=o,
+            stderr=e,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    """What the test started and left running: none may outlive it."""
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+async def test_a_run_with_external_workers_serves_them_and_shuts_them_down(
+    tmp_path: Path,
+) -> None:
+    err, out = tmp_path / "run.err", tmp_path / "run.out"
+    procs = [
+        _start(
+            "run", str(DEMO), "--external-workers", "--bind", "tcp://127.0.0.1:0",
+            "--input-file", str(INPUTS), "--requests", "40", "--print-outputs",
+            err=err, out=out,
+        )
+    ]  # fmt: skip
+    try:
+
+        async def announced() -> bool:
+            return "stagewire worker --master" in err.read_text(errors="replace")
+
+        await wait_for(announced, timeout=30)
+        text = err.read_text()
+        found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica \d+)", text)
+        assert sorted(stage for _, stage in found) == ["join", "split", "upper"], text
+        commands = [command for command, _ in found]
+        # Nothing was launched: the run waits for the workers it named.
+        assert procs[0].poll() is None
+        for i, command in enumerate(commands):
+            procs.append(
+                _start("worker", *command.split(), "--headless", err=tmp_path / f"w{i}.err")
+            )
+        code = await asyncio.to_thread(procs[0].wait, 120)
+        assert code == 0, err.read_text()
+        assert "40/40 requests ok" in err.read_text()
+        lines = out.read_text().splitlines()
+        assert len(lines) == 40 and all(re.fullmatch(r"\d+: \{.*\}", ln) for ln in lines)
+        # The master's shutdown reaches the workers it did not start: each exits, cleanly.
+        for p in procs[1:]:
+            assert await asyncio.to_thread(p.wait, 30) == 0, p.args
+    finally:
+        _kill(procs)
+
+
+async def test_a_run_whose_external_workers_never_come_names_them_and_exits_3(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "p.yaml"
+    config.write_text(DEMO.read_text().replace("chunk_timeout: 30s", "startup_timeout: 2s"))
+    err = tmp_path / "run.err"
+    proc = _start("run", str(config), "--external-workers", "--input", '{"value": "a b"}', err=err)
+    try:
+        assert await asyncio.to_thread(proc.wait, 60) == 3
+        text = err.read_text()
+        errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1, text
+        for name in ("join[0]", "split[0]", "upper[0]"):
+            assert name in errors[0], errors
+    finally:
+        _kill([proc])
+
+
+def test_external_workers_refuse_a_wildcard_bind(tmp_path: Path) -> None:
+    """Workers are told the address the master bound; a wildcard would send them nowhere."""
+    err = tmp_path / "run.err"
+    proc = _start(
+        "run", str(DEMO), "--external-workers", "--bind", "tcp://0.0.0.0:0",
+        "--input", '{"value": "a"}', err=err,
+    )  # fmt: skip
+    assert proc.wait(60) == 2
+    assert "not a wildcard" in err.read_text()
+
+
+async def test_workers_started_before_the_master_wait_for_it(tmp_path: Path) -> None:
+    """Any order: workers started first retry until the master listens at the agreed
+    address."""
+    port = _free_port()
+    master = f"tcp://127.0.0.1:{port}"
+    procs = [
+        _start("worker", "--master", master, "--stage", stage, "--headless",
+               err=tmp_path / f"{stage}.err")
+        for stage in ("split", "upper", "join")
+    ]  # fmt: skip
+    try:
+
+        async def all_running() -> bool:
+            return all(alive(p.pid) for p in procs)
+
+        await wait_for(all_running, timeout=10)
+        err = tmp_path / "run.err"
+        procs.append(
+            _start("run", str(DEMO), "--external-workers", "--bind", master,
+                   "--input-file", str(INPUTS), "--requests", "10", err=err)
+        )  # fmt: skip
+        assert await asyncio.to_thread(procs[-1].wait, 120) == 0, err.read_text()
+        assert "10/10 requests ok" in err.read_text()
+        for p in procs[:3]:
+            assert await asyncio.to_thread(p.wait, 30) == 0
+    finally:
+        _kill(procs)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
