@@ -102,6 +102,10 @@ def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
     return values
 
 
+#: A bind address that no remote worker could connect to as given.
+_WILDCARD = re.compile(r"tcp://(\*|0\.0\.0\.0|\[::\]|\[::0\]):")
+
+
 def _load(args: argparse.Namespace) -> Pipeline:
     """The pipeline of ``args.config``, its master bound where ``--bind`` says.
 
@@ -128,10 +132,6 @@ def _load(args: argparse.Namespace) -> Pipeline:
             raise _Fail(f"--bind {args.bind!r}: {message}", EXIT_CONFIG) from None
         pipe = Pipeline(spec)
     return pipe
-
-
-#: A bind address that no remote worker could connect to as given.
-_WILDCARD = re.compile(r"tcp://(\*|0\.0\.0\.0|\[::\]|\[::0\]):")
 
 
 async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> None:
