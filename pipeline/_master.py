@@ -280,6 +280,14 @@ class Master:
         key = (msg.stage, msg.replica)
         if msg.stage not in self.spec.stages or key not in self.expected:
             log.warning("unknown_replica_refused", stage=msg.stage, replica=msg.replica)
+            # Told, so that it exits saying why instead of registering until it gives up.
+            self._send(
+                identity,
+                Shutdown(
+                    f"pipeline {self.spec.name!r} has no replica {msg.replica} of a stage "
+                    f"{msg.stage!r} (its stages: {', '.join(self.spec.stages)})"
+                ),
+            )
             return
         old = self.replicas.get(key)
         if old is not None and old.identity == identity and old.alive:
@@ -289,6 +297,7 @@ class Master:
         misplaced = self._misplaced(msg.stage, msg.replica, msg.host)
         if misplaced is not None:
             log.error("replica_refused", stage=msg.stage, replica=msg.replica, reason=misplaced)
+            self._send(identity, Shutdown(misplaced))
             self.startup.fail(misplaced, ConfigError)
             return
         if old is not None and old.alive:

@@ -62,6 +62,11 @@ from transports._liveness import pid_namespace
 
 __all__ = ("EXIT_MASTER_LOST", "EXIT_SETUP_FAILED", "main", "run_worker")
 
+
+class Refused(Exception):
+    """The master refused this worker's registration; the message says why."""
+
+
 EXIT_SETUP_FAILED = 3
 EXIT_MASTER_LOST = 4
 #: Largest control message accepted, in bytes.
@@ -162,8 +167,11 @@ class _Worker:
                     stats["garbage"] += self.local.garbage_count
                     stats["local_frames"] = self.local.frames
                 self.send_control(StatsReply(self.stage, self.replica, token, stats))
-            case Shutdown():
+            case Shutdown(reason=reason):
                 self.stop.set()
+                if self.assignment is not None and not self.assignment.done():
+                    # Refused before it was assigned anything (a misplaced or unknown replica).
+                    self.assignment.set_exception(Refused(reason))
             case _:
                 pass
 
@@ -221,6 +229,9 @@ class _Worker:
         except TimeoutError:
             log.error("master_unreachable", stage=self.stage, timeout=connect_timeout)
             return EXIT_MASTER_LOST
+        except Refused as exc:
+            log.error("refused_by_master", stage=self.stage, replica=self.replica, reason=str(exc))
+            return EXIT_SETUP_FAILED
         try:
             spec = PipelineSpec.from_dict(assignment.spec, source="<master>")
             plan = build_plan(spec).stages[self.stage]

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.pipeline.conftest import wait_for
 from tests.procs import alive
 
@@ -23,8 +25,14 @@ DEMO = ROOT / "configs" / "demo.yaml"
 INPUTS = ROOT / "configs" / "demo-inputs.jsonl"
 
 
-def _start(*args: str, err: Path, out: Path | None = None) -> subprocess.Popen[bytes]:
-    """``python -m pipeline ARGS`` in its own session, stderr (and stdout) to files."""
+def _start(
+    *args: str, err: Path, out: Path | None = None, host: str | None = None
+) -> subprocess.Popen[bytes]:
+    """``python -m pipeline ARGS`` in its own session, stderr (and stdout) to files; with
+    ``host``, as if on that host (its own host identity: no shm, no same-host links)."""
+    env = dict(os.environ)
+    if host is not None:
+        env["STAGEWIRE_HOST_ID"] = host
     with err.open("wb") as e, (out or Path(os.devnull)).open("wb") as o:
         return subprocess.Popen(
             [sys.executable, "-m", "pipeline", *args],
@@ -33,6 +41,7 @@ def _start(*args: str, err: Path, out: Path | None = None) -> subprocess.Popen[b
             stderr=e,
             cwd=ROOT,
             start_new_session=True,
+            env=env,
         )
 
 
@@ -44,9 +53,12 @@ def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
         p.wait()
 
 
+@pytest.mark.parametrize("hosts", ["one host", "a host each"])
 async def test_a_run_with_external_workers_serves_them_and_shuts_them_down(
-    tmp_path: Path,
+    tmp_path: Path, hosts: str
 ) -> None:
+    """The workers on the master's host, or each as if on a host of its own (loopback
+    addresses, distinct host identities), so that every edge crosses hosts."""
     err, out = tmp_path / "run.err", tmp_path / "run.out"
     procs = [
         _start(
@@ -68,9 +80,13 @@ async def test_a_run_with_external_workers_serves_them_and_shuts_them_down(
         # Nothing was launched: the run waits for the workers it named.
         assert procs[0].poll() is None
         for i, command in enumerate(commands):
+            host = f"host-{i}" if hosts == "a host each" else None
             procs.append(
-                _start("worker", *command.split(), "--headless", err=tmp_path / f"w{i}.err")
-            )
+                _start(
+                    "worker", *command.split(), "--headless",
+                    err=tmp_path / f"w{i}.err", host=host,
+                )
+            )  # fmt: skip
         code = await asyncio.to_thread(procs[0].wait, 120)
         assert code == 0, err.read_text()
         assert "40/40 requests ok" in err.read_text()
@@ -147,3 +163,73 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+async def test_external_workers_on_two_hosts_refuse_an_edge_pinned_to_shm(tmp_path: Path) -> None:
+    """Host identity reaches the master from workers it did not start: an shm edge between
+    two hosts fails start-up with exit code 3 and one line naming the edge."""
+    config = tmp_path / "p.yaml"
+    config.write_text(
+        DEMO.read_text().replace("{from: split, to: upper}", "{from: split, to: upper, "
+                                 "transport: shm}")
+    )  # fmt: skip
+    err = tmp_path / "run.err"
+    procs = [
+        _start("run", str(config), "--external-workers", "--input", '{"value": "a b"}', err=err)
+    ]
+    try:
+
+        async def announced() -> bool:
+            return "stagewire worker --master" in err.read_text(errors="replace")
+
+        await wait_for(announced, timeout=30)
+        found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica \d+)",
+                           err.read_text())  # fmt: skip
+        workers = {}
+        for command, stage in found:
+            workers[stage] = _start(
+                "worker", *command.split(), "--headless", "--connect-timeout", "20",
+                err=tmp_path / f"{stage}.err", host=f"host-{stage}",
+            )  # fmt: skip
+            procs.append(workers[stage])
+        assert await asyncio.to_thread(procs[0].wait, 60) == 3
+        errors = [ln for ln in err.read_text().splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and "'split->upper' is pinned to transport 'shm'" in errors[0], (
+            err.read_text()
+        )
+        # The refused worker is told why and exits at once, not after --connect-timeout.
+        refused = [stage for stage, p in workers.items() if p.poll() == 3]
+        for stage, p in workers.items():
+            code = await asyncio.to_thread(p.wait, 60)
+            if code == 3 and stage not in refused:
+                refused.append(stage)
+        assert refused, {s: p.returncode for s, p in workers.items()}
+        logs = "".join((tmp_path / f"{stage}.err").read_text() for stage in refused)
+        assert "refused_by_master" in logs and "pinned to transport 'shm'" in logs, logs
+    finally:
+        _kill(procs)
+
+
+async def test_a_worker_for_a_stage_the_pipeline_lacks_is_told_and_exits(tmp_path: Path) -> None:
+    """A mistyped stage name (or replica beyond ``replicas``) gets an answer naming the
+    pipeline's stages, and the worker exits 3 at once instead of retrying for minutes."""
+    err = tmp_path / "run.err"
+    run = _start("run", str(DEMO), "--external-workers", "--input", '{"value": "a"}', err=err)
+    procs = [run]
+    try:
+
+        async def announced() -> bool:
+            return "stagewire worker --master" in err.read_text(errors="replace")
+
+        await wait_for(announced, timeout=30)
+        master = re.search(r"--master (\S+)", err.read_text()).group(1)  # type: ignore[union-attr]
+        for stage, replica in (("uper", "0"), ("upper", "3")):
+            wlog = tmp_path / f"{stage}-{replica}.err"
+            worker = _start("worker", "--master", master, "--stage", stage, "--replica", replica,
+                            "--headless", "--connect-timeout", "60", err=wlog)  # fmt: skip
+            procs.append(worker)
+            assert await asyncio.to_thread(worker.wait, 20) == 3
+            text = wlog.read_text()
+            assert "refused_by_master" in text and "split, upper, join" in text, text
+    finally:
+        _kill(procs)
