@@ -4,12 +4,14 @@
 
     stagewire run CONFIG [--input JSON | --input-file FILE.jsonl] [--requests N] [--concurrency C]
                   [--external-workers] [--bind tcp://HOST:PORT]
+    stagewire master CONFIG [--bind tcp://HOST:PORT]
+    stagewire submit --master tcp://HOST:PORT --input JSON [--timeout S]
     stagewire validate CONFIG
     stagewire worker --master tcp://HOST:PORT --stage NAME [--replica K] [--headless]
 
 Errors print one line with no traceback unless ``--debug`` is given. Exit codes:
 0 success, 1 some requests failed, 2 bad configuration or input, 3 the pipeline failed to
-start, 130 interrupted.
+start (``submit``: no master answered), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import asyncio
 import itertools
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +29,8 @@ from typing import Any
 
 import msgspec
 import structlog
+import zmq
+import zmq.asyncio
 from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -35,7 +40,10 @@ from pipeline._api import Pipeline
 from pipeline._config import MasterSpec
 from pipeline._errors import ConfigError, PayloadError, PipelineError, StageError
 from pipeline._logging import configure_logging
+from pipeline._messages import Cancel, ControlToClient, Output, Submit, encode_message
 from pipeline._report import render_tables
+from pipeline._serve import ClientServer, to_json
+from pipeline._worker import MAX_CONTROL_MESSAGE
 
 __all__ = ("EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_START", "main")
 
@@ -51,19 +59,6 @@ class _Fail(Exception):
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
-
-
-def _json_default(obj: Any) -> Any:
-    """Summarise what JSON cannot hold (tensors, arrays, bytes) instead of failing."""
-    shape = getattr(obj, "shape", None)
-    if shape is not None:
-        return {"dtype": str(getattr(obj, "dtype", "?")), "shape": list(shape)}
-    if isinstance(obj, bytes | bytearray | memoryview):
-        return {"bytes": len(obj)}
-    raise NotImplementedError(type(obj).__name__)
-
-
-_to_json = msgspec.json.Encoder(enc_hook=_json_default).encode
 
 
 def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
@@ -232,7 +227,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     outputs.sort(key=lambda o: o[0])
     shown = outputs if args.print_outputs else outputs[: min(3, len(outputs))]
     for i, out in shown:
-        sys.stdout.write(f"{i}: {_to_json(out).decode()}\n")
+        sys.stdout.write(f"{i}: {to_json(out).decode()}\n")
     if len(shown) < len(outputs):
         console.print(f"({len(outputs) - len(shown)} more outputs; --print-outputs shows all)")
     spec = pipe.spec
@@ -264,13 +259,114 @@ async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console)
                 if isinstance(piece, str) and piece:
                     sys.stdout.write(piece)
             else:
-                sys.stdout.write(_to_json(chunk).decode() + "\n")
+                sys.stdout.write(to_json(chunk).decode() + "\n")
             sys.stdout.flush()
     except PipelineError as exc:
         console.print(f"[red]streamed request failed:[/red] {exc}")
     if field:
         sys.stdout.write("\n")
         sys.stdout.flush()
+
+
+async def _master(args: argparse.Namespace, console: Console) -> int:
+    """``stagewire master``: wait for the workers, then serve ``submit`` until a signal."""
+    args.external_workers = True
+    pipe = _load(args)
+    if len(pipe.plan.sources) != 1:
+        raise _Fail(
+            f"'master' serves pipelines with one source stage; this one has {pipe.plan.sources}",
+            EXIT_CONFIG,
+        )
+    await _start(pipe, args, console)
+    _collector.settle()
+    server = ClientServer(pipe)
+    server.install()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    sys.stderr.write(
+        f"serving {pipe.spec.name}: stagewire submit --master {pipe.master_endpoint} "
+        "--input JSON (Ctrl-C stops the master and its workers)\n"
+    )
+    sys.stderr.flush()
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await server.aclose()
+        await pipe.aclose()
+    console.print(
+        f"served {server.served} requests ({server.failed} failed or cancelled); workers shut down"
+    )
+    return 0
+
+
+async def _submit(args: argparse.Namespace, console: Console) -> int:
+    """``stagewire submit``: one request to a running master; each output as a JSON line."""
+    try:
+        msgspec.json.decode(args.input)
+    except msgspec.DecodeError as exc:
+        raise _Fail(f"--input is not JSON: {exc}", EXIT_CONFIG) from None
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+    cancelled = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, cancelled.set)
+    token = 1
+    try:
+        try:
+            sock.connect(args.master)
+        except zmq.ZMQError as exc:
+            raise _Fail(f"--master {args.master!r}: {exc.strerror}", EXIT_CONFIG) from None
+        await sock.send(encode_message(Submit(token, args.input.encode())))
+        deadline = loop.time() + args.timeout
+        waiting = asyncio.ensure_future(cancelled.wait())
+        try:
+            while True:
+                receiving = asyncio.ensure_future(sock.recv())
+                done, _ = await asyncio.wait(
+                    {receiving, waiting},
+                    timeout=max(0.0, deadline - loop.time()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if receiving not in done:
+                    receiving.cancel()
+                    if waiting in done:
+                        await sock.send(encode_message(Cancel(token)))
+                        console.print("interrupted: the request was cancelled")
+                        return EXIT_INTERRUPTED
+                    raise _Fail(
+                        f"no answer from the master at {args.master} within "
+                        f"{args.timeout:g}s (is `stagewire master` running there?)",
+                        EXIT_START,
+                    )
+                try:
+                    msg = _client_decoder.decode(receiving.result())
+                except msgspec.DecodeError:
+                    continue  # not for us; the master never sends anything else
+                if msg.token != token:
+                    continue
+                if isinstance(msg, Output):
+                    sys.stdout.write(msg.value.decode() + "\n")
+                    sys.stdout.flush()
+                    continue
+                if not msg.kind:
+                    return 0
+                code = EXIT_CONFIG if msg.kind in ("PayloadError", "ConfigError") else EXIT_FAILED
+                raise _Fail(f"{msg.kind}: {msg.error}", code)
+        finally:
+            waiting.cancel()
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        sock.close(0)
+        ctx.term()
+
+
+_client_decoder = msgspec.msgpack.Decoder(ControlToClient)
 
 
 def _validate(args: argparse.Namespace, console: Console) -> int:
@@ -324,6 +420,22 @@ def _parser() -> argparse.ArgumentParser:
         help="first stream one request to the terminal as it is produced; with FIELD, "
         "print that field of each chunk inline (e.g. text_delta)",
     )
+    master = sub.add_parser(
+        "master",
+        help="serve a pipeline to `stagewire submit`, its workers started elsewhere",
+    )
+    master.add_argument("config")
+    master.add_argument(
+        "--bind",
+        metavar="tcp://HOST:PORT",
+        help="where the master listens (instead of the config's master.bind)",
+    )
+    submit = sub.add_parser("submit", help="send one request to a running `stagewire master`")
+    submit.add_argument("--master", required=True, metavar="tcp://HOST:PORT")
+    submit.add_argument("--input", required=True, help="the input as JSON")
+    submit.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for the request to end"
+    )
     val = sub.add_parser("validate", help="check a pipeline file without starting anything")
     val.add_argument("config")
     sub.add_parser(
@@ -364,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return worker_main(command[1:])
     args = _parser().parse_args(argv)
-    if args.command == "run":
+    if args.command in ("run", "master"):
         # Off while the stages' modules import and the workers start (see _collector).
         _collector.pause()
     configure_logging()
@@ -373,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "validate":
             return _validate(args, console)
+        if args.command == "master":
+            return asyncio.run(_master(args, console))
+        if args.command == "submit":
+            return asyncio.run(_submit(args, console))
         return asyncio.run(_run(args, console))
     except _Fail as exc:
         if args.debug:

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +30,13 @@ from pipeline._messages import (
     Abort,
     Admit,
     Assignment,
+    Cancel,
     ControlToMaster,
     Drop,
     Failed,
+    Finished,
     Heartbeat,
+    Output,
     Peer,
     Peers,
     PeerTable,
@@ -42,6 +46,7 @@ from pipeline._messages import (
     Shutdown,
     StatsReply,
     StatsRequest,
+    Submit,
 )
 from pipeline._messages import (
     encode_message as _encode,
@@ -141,6 +146,8 @@ class Master:
         self._readers: list[SocketReader] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.orchestrator: Orchestrator | None = None
+        #: Handles remote clients' messages (``stagewire master``); None refuses them.
+        self.on_client: Callable[[bytes, Submit | Cancel], None] | None = None
         self._closed = False
 
     @property
@@ -195,6 +202,10 @@ class Master:
             return  # the peer vanished; heartbeats will notice
         self._control_reader.kick()
 
+    def send_client(self, identity: bytes, msg: Output | Finished) -> None:
+        """Answer a remote client on the control socket (dropped if it has gone)."""
+        self._send(identity, msg)
+
     def send_to(self, stage: str, replica: int, msg: Any) -> None:
         """Send a message to one replica, if it is registered and alive.
 
@@ -238,6 +249,20 @@ class Master:
             return
         if isinstance(msg, Register):
             self._register(identity, msg)
+            return
+        if isinstance(msg, Submit | Cancel):
+            if self.on_client is not None:
+                self.on_client(identity, msg)
+            elif isinstance(msg, Submit):
+                self._send(
+                    identity,
+                    Finished(
+                        msg.token,
+                        "PipelineError",
+                        "this master takes no submissions: it runs a batch of its own "
+                        "(`stagewire run`); submit to one started with `stagewire master`",
+                    ),
+                )
             return
         rep = self.replicas.get((msg.stage, msg.replica))
         if rep is None or (

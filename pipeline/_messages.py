@@ -17,15 +17,19 @@ __all__ = (
     "Abort",
     "Admit",
     "Assignment",
+    "Cancel",
     "Chunks",
     "ChunksOut",
+    "ControlToClient",
     "ControlToMaster",
     "ControlToWorker",
     "Credit",
     "DataMessage",
     "Drop",
     "Failed",
+    "Finished",
     "Heartbeat",
+    "Output",
     "Peer",
     "PeerTable",
     "Peers",
@@ -35,6 +39,7 @@ __all__ = (
     "Shutdown",
     "StatsReply",
     "StatsRequest",
+    "Submit",
     "decode_batch",
     "encode_batch",
     "encode_message",
@@ -198,7 +203,21 @@ class StatsReply(_Msg, frozen=True, tag="stats"):
     stats: dict[str, Any]
 
 
-ControlToMaster = Register | Ready | SetupFailed | Heartbeat | Failed | StatsReply
+class Submit(_Msg, frozen=True, tag="submit"):
+    """A remote client's request (``stagewire submit``): the source's input as JSON."""
+
+    #: The client's own number for the request, echoed in every answer.
+    token: int
+    input: bytes
+
+
+class Cancel(_Msg, frozen=True, tag="cancel"):
+    """A remote client gives up its request ``token``: abort it everywhere."""
+
+    token: int
+
+
+ControlToMaster = Register | Ready | SetupFailed | Heartbeat | Failed | StatsReply | Submit | Cancel
 
 
 # ---- control plane: master -> worker ------------------------------------------------------
@@ -276,6 +295,30 @@ class Shutdown(_Msg, frozen=True, tag="shutdown"):
 
 
 ControlToWorker = Assignment | Peers | Admit | Abort | Drop | Heartbeat | StatsRequest | Shutdown
+
+
+# ---- control plane: master -> remote client -----------------------------------------------
+
+
+class Output(_Msg, frozen=True, tag="output"):
+    """One output chunk of a remote client's request, as JSON (tensors summarised)."""
+
+    token: int
+    #: The sink that produced it.
+    stage: str
+    value: bytes
+
+
+class Finished(_Msg, frozen=True, tag="finished"):
+    """A remote client's request ended: completed (no ``error``) or failed."""
+
+    token: int
+    #: The exception's class name (``StageError``, ``PayloadError``, ...), or empty.
+    kind: str = ""
+    error: str = ""
+
+
+ControlToClient = Output | Finished
 
 
 # ---- what a data socket accepts -----------------------------------------------------------

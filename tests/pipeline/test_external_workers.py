@@ -233,3 +233,125 @@ async def test_a_worker_for_a_stage_the_pipeline_lacks_is_told_and_exits(tmp_pat
             assert "refused_by_master" in text and "split, upper, join" in text, text
     finally:
         _kill(procs)
+
+
+# ---- stagewire master + stagewire submit ---------------------------------------------------
+
+
+def _submit(master: str, value: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", "submit", "--master", master, "--input", value,
+         *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _submitting(master: str, value: str) -> subprocess.Popen[bytes]:
+    """A ``stagewire submit`` left running, its outputs readable line by line."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "submit", "--master", master, "--input", value],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+async def _serving(config: Path, tmp_path: Path) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """A ``stagewire master`` on ``config`` and the workers it names, once it serves."""
+    port = _free_port()
+    master = f"tcp://127.0.0.1:{port}"
+    err = tmp_path / "master.err"
+    procs = [_start("master", str(config), "--bind", master, err=err)]
+
+    async def announced() -> bool:
+        return "stagewire worker --master" in err.read_text(errors="replace")
+
+    await wait_for(announced, timeout=30)
+    found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica \d+)",
+                       err.read_text())  # fmt: skip
+    for command, stage in found:
+        procs.append(
+            _start("worker", *command.split(), "--headless", err=tmp_path / f"{stage}.err")
+        )
+
+    async def serving() -> bool:
+        return "serving " in err.read_text(errors="replace")
+
+    await wait_for(serving, timeout=60)
+    return master, procs
+
+
+async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_workers(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "words.yaml"
+    config.write_text(
+        "name: words\n"
+        "stages:\n"
+        '  tokens: {impl: "tests.pipeline.sample_stages:Tokens"}\n'
+        '  relay: {impl: "tests.pipeline.sample_stages:Relay"}\n'
+        "edges:\n"
+        "  - {from: tokens, to: relay}\n"
+    )
+    master, procs = await _serving(config, tmp_path)
+    workers = procs[1:]
+    try:
+        # Several clients at once, each its own process: each gets its own words, in order,
+        # one JSON line per streamed chunk.
+        texts = [" ".join(f"w{i}x{k}" for k in range(i + 2)) for i in range(4)]
+        done = await asyncio.gather(
+            *(asyncio.to_thread(_submit, master, f'{{"value": "{t}"}}') for t in texts)
+        )
+        for text, result in zip(texts, done, strict=True):
+            assert result.returncode == 0, result.stderr
+            words = [line for line in result.stdout.splitlines() if line]
+            expected = [f'[{k},"{w}"]' for k, w in enumerate(text.split())]
+            assert words == expected, result.stdout
+        # A stage's error fails only that request: exit code 1 and one line naming it.
+        boom = _submit(master, '{"value": "a boom"}')
+        assert boom.returncode == 1 and "StageError" in boom.stderr, boom.stderr
+        assert "relay refused 'boom'" in boom.stderr
+        # A bad input: exit code 2.
+        bad = _submit(master, '{"value": 7}')
+        assert bad.returncode == 2 and "PayloadError" in bad.stderr, bad.stderr
+        # Ctrl-C while the request streams: it is cancelled everywhere, exit 130.
+        stalled = _submitting(master, '{"value": "a stall"}')
+        procs.append(stalled)
+        assert stalled.stdout is not None
+        first = await asyncio.to_thread(stalled.stdout.readline)
+        assert first.strip() == b'[0,"a"]'
+        stalled.send_signal(signal.SIGINT)
+        assert await asyncio.to_thread(stalled.wait, 30) == 130
+        stalled.stdout.close()
+        # And the master is still serving.
+        assert _submit(master, '{"value": "after"}').stdout.split() == ['[0,"after"]']
+        os.kill(procs[0].pid, signal.SIGTERM)
+        assert await asyncio.to_thread(procs[0].wait, 60) == 0
+        for p in workers:
+            assert await asyncio.to_thread(p.wait, 30) == 0
+        summary = (tmp_path / "master.err").read_text()
+        assert "served 5 requests (3 failed or cancelled)" in summary, summary
+    finally:
+        _kill(procs)
+
+
+async def test_submit_without_a_master_exits_3_and_a_run_refuses_submissions(
+    tmp_path: Path,
+) -> None:
+    nobody = _submit(f"tcp://127.0.0.1:{_free_port()}", '{"value": "a"}', "--timeout", "1")
+    assert nobody.returncode == 3 and "no answer from the master" in nobody.stderr
+    assert _submit("tcp://127.0.0.1:1", "not json").returncode == 2
+    # A batch run's master answers a submission with a clear refusal, not silence.
+    err = tmp_path / "run.err"
+    run = _start("run", str(DEMO), "--external-workers", "--input", '{"value": "a"}', err=err)
+    try:
+
+        async def announced() -> bool:
+            return "stagewire worker --master" in err.read_text(errors="replace")
+
+        await wait_for(announced, timeout=30)
+        endpoint = re.search(r"--master (\S+)", err.read_text()).group(1)  # type: ignore[union-attr]
+        refused = _submit(endpoint, '{"value": "a"}', "--timeout", "20")
+        assert refused.returncode == 1 and "takes no submissions" in refused.stderr
+    finally:
+        _kill([run])
