@@ -340,8 +340,9 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
                         console.print("interrupted: the request was cancelled")
                         return EXIT_INTERRUPTED
                     raise _Fail(
-                        f"no answer from the master at {args.master} within "
-                        f"{args.timeout:g}s (is `stagewire master` running there?)",
+                        f"the request did not end within {args.timeout:g}s: no answer from "
+                        f"the master at {args.master} (is `stagewire master` running there?) "
+                        "or it stopped answering; --timeout waits longer",
                         EXIT_START,
                     )
                 try:

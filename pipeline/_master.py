@@ -125,6 +125,10 @@ class Master:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # No high-water mark: at the default of 1000 queued messages a peer's next ones are
+        # dropped without a word, and a remote client's outputs (``stagewire submit``) are
+        # data that must not be. A peer that goes away takes its queue with it.
+        self.router.setsockopt(zmq.SNDHWM, 0)
         self.inbox = self.zctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.RCVHWM, 0)
         self.inbox.setsockopt(zmq.LINGER, 0)

@@ -106,6 +106,11 @@ class ClientServer:
             self.failed += 1
             send(identity, Finished(msg.token, type(exc).__name__, str(exc)))
             return
+        except Exception as exc:  # a bug here must still answer the client, not strand it
+            self.failed += 1
+            log.exception("submission_failed", token=msg.token)
+            send(identity, Finished(msg.token, type(exc).__name__, f"the master failed: {exc}"))
+            return
         self.served += 1
         send(identity, Finished(msg.token))
 

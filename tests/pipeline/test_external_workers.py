@@ -339,7 +339,7 @@ async def test_submit_without_a_master_exits_3_and_a_run_refuses_submissions(
     tmp_path: Path,
 ) -> None:
     nobody = _submit(f"tcp://127.0.0.1:{_free_port()}", '{"value": "a"}', "--timeout", "1")
-    assert nobody.returncode == 3 and "no answer from the master" in nobody.stderr
+    assert nobody.returncode == 3 and "no answer from the master" in nobody.stderr, nobody.stderr
     assert _submit("tcp://127.0.0.1:1", "not json").returncode == 2
     # A batch run's master answers a submission with a clear refusal, not silence.
     err = tmp_path / "run.err"
