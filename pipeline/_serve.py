@@ -25,6 +25,9 @@ __all__ = ("ClientServer", "to_json")
 
 log = structlog.get_logger("stagewire.serve")
 
+#: The cancel message of a request that its client cancelled.
+_BY_CLIENT = "cancelled by its client"
+
 
 def _json_default(obj: Any) -> Any:
     """Summarise what JSON cannot hold (tensors, arrays, bytes) instead of failing."""
@@ -71,7 +74,7 @@ class ClientServer:
         if isinstance(msg, Cancel):
             task = self._tasks.get(key)
             if task is not None:
-                task.cancel()
+                task.cancel(_BY_CLIENT)
             return
         if key in self._tasks:
             return  # a resend of a request already running
@@ -98,9 +101,10 @@ class ClientServer:
                         send(identity, Output(msg.token, chunk.stage, to_json(chunk.value)))
                     else:
                         send(identity, Output(msg.token, self._sinks[0], to_json(chunk)))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             self.failed += 1
-            send(identity, Finished(msg.token, "RequestAborted", "cancelled by the client"))
+            why = "cancelled by the client" if _BY_CLIENT in exc.args else "the master stopped"
+            send(identity, Finished(msg.token, "RequestAborted", why))
             raise
         except PipelineError as exc:
             self.failed += 1

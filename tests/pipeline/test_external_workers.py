@@ -246,14 +246,15 @@ def _submit(master: str, value: str, *extra: str) -> subprocess.CompletedProcess
     )  # fmt: skip
 
 
-def _submitting(master: str, value: str) -> subprocess.Popen[bytes]:
+def _submitting(master: str, value: str, err: Path | None = None) -> subprocess.Popen[bytes]:
     """A ``stagewire submit`` left running, its outputs readable line by line."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipeline", "submit", "--master", master, "--input", value],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
+    with (err or Path(os.devnull)).open("wb") as e:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "submit", "--master", master, "--input", value],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=e,
+        )
 
 
 async def _serving(config: Path, tmp_path: Path) -> tuple[str, list[subprocess.Popen[bytes]]]:
@@ -355,3 +356,25 @@ async def test_submit_without_a_master_exits_3_and_a_run_refuses_submissions(
         assert refused.returncode == 1 and "takes no submissions" in refused.stderr
     finally:
         _kill([run])
+
+
+async def test_a_client_waiting_when_the_master_stops_is_told(tmp_path: Path) -> None:
+    config = tmp_path / "words.yaml"
+    config.write_text(
+        'name: words\nstages:\n  tokens: {impl: "tests.pipeline.sample_stages:Tokens"}\nedges: []\n'
+    )
+    master, procs = await _serving(config, tmp_path)
+    try:
+        err = tmp_path / "submit.err"
+        stalled = _submitting(master, '{"value": "a stall"}', err)
+        procs.append(stalled)
+        assert stalled.stdout is not None
+        assert (await asyncio.to_thread(stalled.stdout.readline)).strip() == b'[0,"a"]'
+        os.kill(procs[0].pid, signal.SIGTERM)
+        # Exit 1 (the request failed) at once, not 3 after its 60 s timeout.
+        assert await asyncio.to_thread(stalled.wait, 30) == 1
+        stalled.stdout.close()
+        assert "RequestAborted: the master stopped" in err.read_text()
+        assert await asyncio.to_thread(procs[0].wait, 60) == 0
+    finally:
+        _kill(procs)
