@@ -270,7 +270,6 @@ async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console)
 
 async def _master(args: argparse.Namespace, console: Console) -> int:
     """``stagewire master``: wait for the workers, then serve ``submit`` until a signal."""
-    args.external_workers = True
     pipe = _load(args)
     if len(pipe.plan.sources) != 1:
         raise _Fail(
@@ -298,7 +297,8 @@ async def _master(args: argparse.Namespace, console: Console) -> int:
         await server.aclose()
         await pipe.aclose()
     console.print(
-        f"served {server.served} requests ({server.failed} failed or cancelled); workers shut down"
+        f"served {server.served} requests ({server.failed} failed, {server.cancelled} "
+        "cancelled by their clients); workers shut down"
     )
     return 0
 
@@ -311,12 +311,13 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
         raise _Fail(f"--input is not JSON: {exc}", EXIT_CONFIG) from None
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
     cancelled = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, cancelled.set)
     token = 1
+    # Unsent messages are dropped at close, except a Cancel, which must reach the master.
+    linger = 0
     try:
         try:
             sock.connect(args.master)
@@ -337,6 +338,7 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
                     receiving.cancel()
                     if waiting in done:
                         await sock.send(encode_message(Cancel(token)))
+                        linger = 1000
                         console.print("interrupted: the request was cancelled")
                         return EXIT_INTERRUPTED
                     raise _Fail(
@@ -363,7 +365,7 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
             waiting.cancel()
     finally:
         loop.remove_signal_handler(signal.SIGINT)
-        sock.close(0)
+        sock.close(linger)
         ctx.term()
 
 
@@ -426,6 +428,7 @@ def _parser() -> argparse.ArgumentParser:
         help="serve a pipeline to `stagewire submit`, its workers started elsewhere",
     )
     master.add_argument("config")
+    master.set_defaults(external_workers=True)
     master.add_argument(
         "--bind",
         metavar="tcp://HOST:PORT",

@@ -25,9 +25,6 @@ __all__ = ("ClientServer", "to_json")
 
 log = structlog.get_logger("stagewire.serve")
 
-#: The cancel message of a request that its client cancelled.
-_BY_CLIENT = "cancelled by its client"
-
 
 def _json_default(obj: Any) -> Any:
     """Summarise what JSON cannot hold (tensors, arrays, bytes) instead of failing."""
@@ -48,7 +45,9 @@ class ClientServer:
 
     Attributes:
         served: requests that completed.
-        failed: requests that failed (bad input included) or were cancelled.
+        failed: requests that failed (bad input included), or were cancelled as the
+            master stopped.
+        cancelled: requests their clients cancelled.
     """
 
     def __init__(self, pipe: Pipeline) -> None:
@@ -62,8 +61,11 @@ class ClientServer:
         )
         self._sinks = pipe.plan.sinks
         self._tasks: dict[tuple[bytes, int], asyncio.Task[None]] = {}
+        #: Requests whose client sent Cancel (a task's own cancellation says not who).
+        self._by_client: set[tuple[bytes, int]] = set()
         self.served = 0
         self.failed = 0
+        self.cancelled = 0
 
     def install(self) -> None:
         """Take the master's client messages from now on."""
@@ -74,7 +76,8 @@ class ClientServer:
         if isinstance(msg, Cancel):
             task = self._tasks.get(key)
             if task is not None:
-                task.cancel(_BY_CLIENT)
+                self._by_client.add(key)
+                task.cancel()
             return
         if key in self._tasks:
             return  # a resend of a request already running
@@ -101,9 +104,14 @@ class ClientServer:
                         send(identity, Output(msg.token, chunk.stage, to_json(chunk.value)))
                     else:
                         send(identity, Output(msg.token, self._sinks[0], to_json(chunk)))
-        except asyncio.CancelledError as exc:
-            self.failed += 1
-            why = "cancelled by the client" if _BY_CLIENT in exc.args else "the master stopped"
+        except asyncio.CancelledError:
+            if (identity, msg.token) in self._by_client:
+                self._by_client.discard((identity, msg.token))
+                self.cancelled += 1
+                why = "cancelled by the client"
+            else:
+                self.failed += 1
+                why = "the master stopped"
             send(identity, Finished(msg.token, "RequestAborted", why))
             raise
         except PipelineError as exc:
