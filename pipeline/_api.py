@@ -21,6 +21,7 @@ from pipeline._launcher import LocalLauncher
 from pipeline._logging import configure_logging
 from pipeline._master import Master
 from pipeline._orchestrator import ClientRequest
+from pipeline._security import resolve_keys
 from pipeline._signature import PipelinePlan, build_plan
 from pipeline._yaml import YamlDocument, read_yaml_file
 
@@ -205,12 +206,14 @@ class Pipeline:
                 before waiting for any worker (to tell external workers where to connect).
 
         Raises:
+            ConfigError: ``master.keys`` (or ``STAGEWIRE_KEYS``) names no valid key pair.
             StageUnavailable: replicas did not become ready within ``startup_timeout``.
             PipelineError: a stage failed to import or set up, or the master cannot bind.
         """
         if not structlog.is_configured():
             configure_logging()
-        self._master = Master(self.plan)
+        keys = resolve_keys(self.spec.master.keys)
+        self._master = Master(self.plan, keys=keys)
         try:
             await self._master.start()
         except BaseException:
@@ -226,6 +229,7 @@ class Pipeline:
                     s, k, f"exited with code {code}"
                 ),
                 on_given_up=lambda s, k: self._master_or_fail().orch.replica_given_up(s, k),
+                keys=keys,
             )
         try:
             if self._launcher is not None:

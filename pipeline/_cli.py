@@ -3,11 +3,13 @@
 ::
 
     stagewire run CONFIG [--input JSON | --input-file FILE.jsonl] [--requests N] [--concurrency C]
-                  [--external-workers] [--bind tcp://HOST:PORT]
-    stagewire master CONFIG [--bind tcp://HOST:PORT]
-    stagewire submit --master tcp://HOST:PORT --input JSON [--timeout S]
+                  [--external-workers] [--bind tcp://HOST:PORT] [--keys DIR]
+    stagewire master CONFIG [--bind tcp://HOST:PORT] [--keys DIR]
+    stagewire submit --master tcp://HOST:PORT --input JSON [--timeout S] [--keys DIR]
     stagewire validate CONFIG
     stagewire worker --master tcp://HOST:PORT --stage NAME [--replica K] [--headless]
+                     [--keys DIR]
+    stagewire keys DIR [--force]
 
 Errors print one line with no traceback unless ``--debug`` is given. Exit codes:
 0 success, 1 some requests failed, 2 bad configuration or input, 3 the pipeline failed to
@@ -37,12 +39,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline import _collector
 from pipeline._api import Pipeline
-from pipeline._config import MasterSpec
 from pipeline._errors import ConfigError, PayloadError, PipelineError, StageError
 from pipeline._logging import configure_logging
 from pipeline._messages import Cancel, ControlToClient, Output, Submit, encode_message
 from pipeline._report import render_tables
+from pipeline._security import (
+    KEYS_ENV,
+    CurveKeys,
+    make_keys,
+    resolve_keys,
+    secure_client,
+)
 from pipeline._serve import ClientServer, to_json
+from pipeline._sockets import HandshakeWatch
 from pipeline._worker import MAX_CONTROL_MESSAGE
 
 __all__ = ("EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_START", "main")
@@ -102,10 +111,11 @@ _WILDCARD = re.compile(r"tcp://(\*|0\.0\.0\.0|\[::\]|\[::0\]):")
 
 
 def _load(args: argparse.Namespace) -> Pipeline:
-    """The pipeline of ``args.config``, its master bound where ``--bind`` says.
+    """The pipeline of ``args.config``, its master bound where ``--bind`` says, with the
+    key pair ``--keys`` names.
 
     Raises:
-        _Fail: the file or the bind address is invalid (exit code 2).
+        _Fail: the file, the bind address or the keys are invalid (exit code 2).
     """
     try:
         pipe = Pipeline.from_yaml(args.config)
@@ -119,14 +129,31 @@ def _load(args: argparse.Namespace) -> Pipeline:
             "tcp://10.0.0.5:7600 (an address of this host), not a wildcard",
             EXIT_CONFIG,
         )
-    if args.bind:
+    given = {k: v for k, v in (("bind", args.bind), ("keys", args.keys)) if v}
+    if given:
         try:
-            spec = pipe.spec.model_copy(update={"master": MasterSpec(bind=args.bind)})
+            master = type(pipe.spec.master).model_validate(
+                {**pipe.spec.master.model_dump(), **given}
+            )
         except ValidationError as exc:
-            message = exc.errors()[0]["msg"]
-            raise _Fail(f"--bind {args.bind!r}: {message}", EXIT_CONFIG) from None
-        pipe = Pipeline(spec)
+            error = exc.errors()[0]
+            flag = f"--{error['loc'][0]}" if error["loc"] else "--bind"
+            raise _Fail(f"{flag}: {error['msg']}", EXIT_CONFIG) from None
+        pipe = Pipeline(pipe.spec.model_copy(update={"master": master}))
+    _keys_or_fail(pipe.spec.master.keys)
     return pipe
+
+
+def _keys_or_fail(directory: str | None) -> CurveKeys | None:
+    """The key pair ``directory`` (or ``STAGEWIRE_KEYS``) names, if any.
+
+    Raises:
+        _Fail: it names no valid pair (exit code 2).
+    """
+    try:
+        return resolve_keys(directory)
+    except ConfigError as exc:
+        raise _Fail(str(exc), EXIT_CONFIG) from None
 
 
 async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> None:
@@ -146,6 +173,8 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
         return
 
     listening: list[str] = []
+    keys = _keys_or_fail(pipe.spec.master.keys)
+    with_keys = f" --keys {keys.directory}" if keys is not None else ""
 
     def announce(endpoint: str) -> None:
         listening.append(endpoint)
@@ -155,6 +184,7 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
             for k in range(sspec.replicas):
                 lines.append(
                     f"  stagewire worker --master {endpoint} --stage {stage} --replica {k}"
+                    + with_keys
                 )
         sys.stderr.write("\n".join(lines) + "\n")
         sys.stderr.flush()
@@ -309,10 +339,13 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
         msgspec.json.decode(args.input)
     except msgspec.DecodeError as exc:
         raise _Fail(f"--input is not JSON: {exc}", EXIT_CONFIG) from None
+    keys = _keys_or_fail(args.keys)
     ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
+    sock = secure_client(ctx.socket(zmq.DEALER), keys)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
     cancelled = asyncio.Event()
+    refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    watch: HandshakeWatch | None = None
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, cancelled.set)
     token = 1
@@ -320,6 +353,7 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
     linger = 0
     try:
         try:
+            watch = HandshakeWatch(sock, args.master, keys, refused.set_result)
             sock.connect(args.master)
         except zmq.ZMQError as exc:
             raise _Fail(f"--master {args.master!r}: {exc.strerror}", EXIT_CONFIG) from None
@@ -329,13 +363,16 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
         try:
             while True:
                 receiving = asyncio.ensure_future(sock.recv())
+                watched: set[asyncio.Future[Any]] = {receiving, waiting, refused}
                 done, _ = await asyncio.wait(
-                    {receiving, waiting},
+                    watched,
                     timeout=max(0.0, deadline - loop.time()),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if receiving not in done:
                     receiving.cancel()
+                    if refused in done:
+                        raise _Fail(refused.result(), EXIT_START)
                     if waiting in done:
                         await sock.send(encode_message(Cancel(token)))
                         linger = 1000
@@ -365,11 +402,32 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
             waiting.cancel()
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+        if watch is not None:
+            watch.stop()
         sock.close(linger)
         ctx.term()
 
 
 _client_decoder = msgspec.msgpack.Decoder(ControlToClient)
+
+
+def _keys(args: argparse.Namespace, console: Console) -> int:
+    """``stagewire keys DIR``: write a new CURVE key pair."""
+    try:
+        written = make_keys(args.dir, force=args.force)
+    except ConfigError as exc:
+        raise _Fail(str(exc), EXIT_CONFIG) from None
+    directory = Path(written).parent.absolute()
+    console.print(
+        f"wrote a CURVE key pair to {directory} (secret: {Path(written).name}, readable by "
+        f"you only). Give every process of the pipeline the same pair: `stagewire run|master "
+        f"CONFIG --keys {directory}`, `stagewire worker ... --keys {directory}`, `stagewire "
+        f"submit ... --keys {directory}`, or master.keys in the YAML, or {KEYS_ENV}; copy the "
+        "directory to other hosts over a channel you trust.",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return 0
 
 
 def _validate(args: argparse.Namespace, console: Console) -> int:
@@ -440,6 +498,18 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--timeout", type=float, default=60.0, help="seconds to wait for the request to end"
     )
+    for command in (run, master, submit):
+        command.add_argument(
+            "--keys",
+            metavar="DIR",
+            help="the pipeline's CURVE key pair (made by `stagewire keys DIR`), which every "
+            f"process of the pipeline must be given; default: master.keys, then ${KEYS_ENV}",
+        )
+    keys = sub.add_parser(
+        "keys", help="make a CURVE key pair: every socket of a pipeline given it authenticates"
+    )
+    keys.add_argument("dir", metavar="DIR", help="directory to write the pair into")
+    keys.add_argument("--force", action="store_true", help="replace a pair already there")
     val = sub.add_parser("validate", help="check a pipeline file without starting anything")
     val.add_argument("config")
     sub.add_parser(
@@ -493,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_master(args, console))
         if args.command == "submit":
             return asyncio.run(_submit(args, console))
+        if args.command == "keys":
+            return _keys(args, console)
         return asyncio.run(_run(args, console))
     except _Fail as exc:
         if args.debug:

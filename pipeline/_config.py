@@ -70,6 +70,11 @@ class MasterSpec(_Spec):
 
     bind: BindAddress = "tcp://127.0.0.1:0"
     """A ZeroMQ endpoint, ``tcp://HOST:PORT`` (port 0: any free port) or ``ipc://PATH``."""
+    keys: str | None = None
+    """A directory holding the pipeline's CURVE key pair (``stagewire keys DIR``): every
+    ZeroMQ socket of the pipeline then authenticates and encrypts, and a peer without the
+    pair is refused. Workers and clients need the same directory (``--keys``). Unset:
+    ``STAGEWIRE_KEYS`` if set, else no CURVE."""
 
 
 class TransportSpec(_Spec):

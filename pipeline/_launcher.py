@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import structlog
 
 from pipeline._config import PipelineSpec
+from pipeline._security import KEYS_ENV, CurveKeys
 from pipeline._worker import EXIT_SETUP_FAILED
 
 __all__ = ("LocalLauncher",)
@@ -36,8 +37,11 @@ class LocalLauncher:
         *,
         max_restarts: int = 3,
         on_given_up: Callable[[str, int], None] | None = None,
+        keys: CurveKeys | None = None,
     ) -> None:
         self._spec = spec
+        #: The pipeline's CURVE pair, which every worker started here is given.
+        self._keys = keys
         self._master = master
         self._on_exit = on_exit
         #: Told when a replica that exited will not be restarted.
@@ -66,6 +70,12 @@ class LocalLauncher:
             # Added in front, not put in place of what lets the worker import its stage.
             env["PYTHONPATH"] = os.pathsep.join((given, env["PYTHONPATH"]))
         env.update(extra)
+        # The master's pair or none: a stray STAGEWIRE_KEYS must not make a worker refuse
+        # (or be refused by) a master that runs without one.
+        if self._keys is not None:
+            env[KEYS_ENV] = os.fspath(self._keys.directory)
+        else:
+            env.pop(KEYS_ENV, None)
         return env
 
     async def start_all(self) -> None:

@@ -53,6 +53,7 @@ from pipeline._messages import (
 )
 from pipeline._orchestrator import Orchestrator, ReplicaView
 from pipeline._pulse import pulse_identity
+from pipeline._security import CurveKeys, secure_server, stop_guard
 from pipeline._signature import EdgePlan, PipelinePlan
 from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
 from pipeline._worker import MAX_CONTROL_MESSAGE, MAX_DATA_MESSAGE
@@ -113,15 +114,19 @@ def _host_local_edges(plan: PipelinePlan) -> dict[str, list[tuple[EdgePlan, str]
 class Master:
     """The control plane of one pipeline, with its orchestrator."""
 
-    def __init__(self, plan: PipelinePlan, *, bind: str | None = None) -> None:
+    def __init__(
+        self, plan: PipelinePlan, *, bind: str | None = None, keys: CurveKeys | None = None
+    ) -> None:
         self.plan = plan
+        #: The pipeline's CURVE pair: every socket here authenticates and encrypts with it.
+        self.keys = keys
         self.spec = plan.spec
         self._bind = bind or plan.spec.master.bind
         self.host = host_identity()
         #: Carried by the request messages the master sends on the data path.
         self.token = os.urandom(16)
         self.zctx = new_context()
-        self.router = self.zctx.socket(zmq.ROUTER)
+        self.router = secure_server(self.zctx.socket(zmq.ROUTER), keys)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -129,11 +134,11 @@ class Master:
         # dropped without a word, and a remote client's outputs (``stagewire submit``) are
         # data that must not be. A peer that goes away takes its queue with it.
         self.router.setsockopt(zmq.SNDHWM, 0)
-        self.inbox = self.zctx.socket(zmq.PULL)
+        self.inbox = secure_server(self.zctx.socket(zmq.PULL), keys)
         self.inbox.setsockopt(zmq.RCVHWM, 0)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_MESSAGE)
-        self.outbox = Outbox(self.zctx)
+        self.outbox = Outbox(self.zctx, keys)
         #: Same-host workers send the client's data here instead of to ``inbox``.
         self.local: LocalListener | None = None
         self.endpoint = ""
@@ -506,6 +511,7 @@ class Master:
         self.outbox.close()
         self.router.close(linger=500)
         self.inbox.close(linger=0)
+        stop_guard(self.zctx)
         self.zctx.term()
         for endpoint in (self.endpoint, self.data_endpoint):
             if endpoint.startswith("ipc://"):

@@ -17,6 +17,7 @@ import zmq
 
 from pipeline._messages import Heartbeat
 from pipeline._messages import encode_message as _encode
+from pipeline._security import process_keys, secure_client
 from pipeline._sockets import for_endpoint
 
 __all__ = ("Pulse", "pulse_identity")
@@ -55,7 +56,7 @@ class Pulse:
         self._thread.start()
 
     def _run(self) -> None:
-        sock = self._zctx.socket(zmq.DEALER)
+        sock = secure_client(self._zctx.socket(zmq.DEALER), process_keys())
         sock.setsockopt(zmq.IDENTITY, self._identity)
         sock.setsockopt(zmq.LINGER, 0)
         # Heartbeats must not pile up while the master is unreachable: keep only a few.

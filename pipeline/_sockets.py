@@ -22,8 +22,17 @@ import zmq
 
 from pipeline._local_link import LocalLink
 from pipeline._messages import encode_batch
+from pipeline._security import HANDSHAKE_FAILED, CurveKeys, handshake_failure, secure_client
 
-__all__ = ("Outbox", "Sealable", "SendData", "SocketReader", "bind_ephemeral", "new_context")
+__all__ = (
+    "HandshakeWatch",
+    "Outbox",
+    "Sealable",
+    "SendData",
+    "SocketReader",
+    "bind_ephemeral",
+    "new_context",
+)
 
 log = structlog.get_logger("stagewire.sockets")
 
@@ -143,6 +152,67 @@ class SocketReader:
                 self._loop.remove_reader(self._fd())
 
 
+class HandshakeWatch:
+    """Tells ``on_refused`` once, with a one-line reason, if the peer a connecting socket
+    reaches refuses its handshake (CURVE keys that do not match, or none on one side).
+
+    Without it such a socket retries in silence and its messages wait forever. The watch
+    ends at the first handshake that succeeds, or at :meth:`stop`. A refusal without
+    detail (what a wrong server key gives, but also a peer going away mid-handshake) counts
+    only once it repeats.
+    """
+
+    _VAGUE_LIMIT = 3
+
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        endpoint: str,
+        keys: CurveKeys | None,
+        on_refused: Callable[[str], None],
+    ) -> None:
+        self._sock = sock
+        self._endpoint = endpoint
+        self._keys = keys
+        self._on_refused = on_refused
+        self._vague = 0
+        # Read by a plain socket over the same context, even when ``sock`` is a
+        # ``zmq.asyncio`` one (whose receives would return futures).
+        address = f"inproc://stagewire-handshake-{id(self):x}"
+        sock.monitor(address, HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._mon: zmq.Socket[Any] | None = zmq.Context.shadow(sock.context.underlying).socket(
+            zmq.PAIR
+        )
+        self._mon.setsockopt(zmq.LINGER, 0)
+        self._mon.connect(address)
+        self._reader = SocketReader(self._mon, self._on_event, lambda exc, frames: None)
+        self._reader.start()
+
+    def _on_event(self, frames: list[bytes]) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.stop()
+            return
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self._vague += 1
+            if self._vague < self._VAGUE_LIMIT:
+                return
+        self.stop()
+        self._on_refused(handshake_failure(event, self._endpoint, self._keys))
+
+    def stop(self) -> None:
+        """Stop watching; idempotent."""
+        mon, self._mon = self._mon, None
+        if mon is None:
+            return
+        self._reader.stop()
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        mon.close(0)
+
+
 class Outbox:
     """One PUSH socket per peer endpoint, connected lazily, with envelopes batched.
 
@@ -160,6 +230,7 @@ class Outbox:
     __slots__ = (
         "_ctx",
         "_handle",
+        "_keys",
         "_links",
         "_local",
         "_loop",
@@ -167,8 +238,9 @@ class Outbox:
         "_socks",
     )
 
-    def __init__(self, ctx: zmq.Context[Any]) -> None:
+    def __init__(self, ctx: zmq.Context[Any], keys: CurveKeys | None = None) -> None:
         self._ctx = ctx
+        self._keys = keys
         self._socks: dict[str, zmq.Socket[Any]] = {}
         self._pending: dict[str, list[bytes | Sealable]] = {}
         #: The flush to come, once one is due.
@@ -211,7 +283,7 @@ class Outbox:
     def _socket(self, endpoint: str) -> zmq.Socket[Any]:
         sock = self._socks.get(endpoint)
         if sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
+            sock = secure_client(self._ctx.socket(zmq.PUSH), self._keys)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
             for_endpoint(sock, endpoint).connect(endpoint)

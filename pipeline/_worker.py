@@ -30,7 +30,7 @@ from pipeline import _collector
 from pipeline._actor import StageActor
 from pipeline._config import PipelineSpec
 from pipeline._encoded import DECODE_ERRORS
-from pipeline._errors import FailureInfo
+from pipeline._errors import ConfigError, FailureInfo
 from pipeline._host import host_identity
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._logging import configure_logging
@@ -56,8 +56,23 @@ from pipeline._messages import (
 )
 from pipeline._pulse import Pulse
 from pipeline._scheduling import apply_scheduling
+from pipeline._security import (
+    process_keys,
+    resolve_keys,
+    secure_client,
+    secure_server,
+    set_process_keys,
+    stop_guard,
+)
 from pipeline._signature import build_plan
-from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, for_endpoint, new_context
+from pipeline._sockets import (
+    HandshakeWatch,
+    Outbox,
+    SocketReader,
+    bind_ephemeral,
+    for_endpoint,
+    new_context,
+)
 from transports._liveness import pid_namespace
 
 __all__ = ("EXIT_MASTER_LOST", "EXIT_SETUP_FAILED", "main", "run_worker")
@@ -98,20 +113,24 @@ class _Worker:
         self.host = host_identity()
         self.zctx = new_context()
         self.master = master
+        keys = process_keys()
         # Unique per process start, not only per pid: a restarted worker may get the same pid
         # (pid 1 in a container), and the master must not take it for the one before.
         self.identity = f"{stage}/{replica}/{os.getpid()}/{secrets.token_hex(4)}".encode()
-        self.control = self.zctx.socket(zmq.DEALER)
+        self.control = secure_client(self.zctx.socket(zmq.DEALER), keys)
         self.control.setsockopt(zmq.IDENTITY, self.identity)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-        for_endpoint(self.control, master).connect(master)
-        self.inbox = self.zctx.socket(zmq.PULL)
+        for_endpoint(self.control, master)
+        #: Until the master answers: a handshake it refuses ends the worker at once.
+        self._handshake = HandshakeWatch(self.control, master, keys, self._refused)
+        self.control.connect(master)
+        self.inbox = secure_server(self.zctx.socket(zmq.PULL), keys)
         self.inbox.setsockopt(zmq.RCVHWM, 0)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_MESSAGE)
         self.endpoint = bind_ephemeral(self.inbox, f"tcp://{bind_host}:0")
-        self.outbox = Outbox(self.zctx)
+        self.outbox = Outbox(self.zctx, keys)
         #: Same-host peers send here instead of to ``inbox``; read once the actor exists.
         self.local: LocalListener | None = None
         if local_links_enabled():
@@ -129,6 +148,10 @@ class _Worker:
     def send_control(self, msg: Any) -> None:
         self.control.send(_encode(msg), zmq.NOBLOCK)
         self.control_reader.kick()
+
+    def _refused(self, reason: str) -> None:
+        if self.assignment is not None and not self.assignment.done():
+            self.assignment.set_exception(Refused(reason))
 
     def _on_error(self, exc: BaseException, frames: list[bytes]) -> None:
         self.garbage += 1
@@ -158,6 +181,7 @@ class _Worker:
                     actor.set_peers(peers)
                     actor.readers_gone(departed)
             case Assignment() if self.assignment is not None and not self.assignment.done():
+                self._handshake.stop()
                 self.assignment.set_result(msg)
             case StatsRequest(token=token) if actor is not None:
                 stats = actor.statistics()
@@ -323,6 +347,7 @@ class _Worker:
         return 0
 
     def close(self) -> None:
+        self._handshake.stop()
         self.control_reader.stop()
         if self.data_reader is not None:
             self.data_reader.stop()
@@ -333,6 +358,7 @@ class _Worker:
         # master costs at most this long at exit.
         self.control.close(linger=500)
         self.inbox.close(linger=0)
+        stop_guard(self.zctx)
         self.zctx.term()
 
 
@@ -369,6 +395,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--headless", action="store_true", help="no terminal output but logs")
+    p.add_argument(
+        "--keys",
+        metavar="DIR",
+        default=None,
+        help="the pipeline's CURVE key pair (stagewire keys DIR); default: $STAGEWIRE_KEYS",
+    )
     return p
 
 
@@ -380,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.master.startswith(("tcp://", "ipc://")):
         p.error(f"--master {args.master!r} is not a control endpoint (tcp://HOST:PORT)")
+    try:
+        set_process_keys(resolve_keys(args.keys))
+    except ConfigError as exc:
+        p.error(str(exc))
     configure_logging()
     if args.parent_pid is not None:
         # A locally launched worker: the master handles Ctrl-C and shuts us down in order.

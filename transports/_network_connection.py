@@ -21,6 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import TransportError
+from pipeline._security import process_keys, secure_client
 from transports._network_inbound import DISCARD, PENDING, Inbound, ProtocolError
 from transports._network_wire import MAX_SEGMENT, Control, Fetch, Part, Status
 
@@ -89,7 +90,9 @@ class Connection:
         self._handler = handler
         self.endpoint = endpoint
         self._loop = asyncio.get_running_loop()
-        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = secure_client(
+            zmq.Context.instance().socket(zmq.DEALER), process_keys()
+        )
         try:
             sock.setsockopt(zmq.LINGER, 0)
             # HWM 0: ZMQ never drops; the producer's window bounds what is queued here.

@@ -29,6 +29,7 @@ import zmq
 from pipeline._encoded import DECODE_ERRORS, Buffer
 from pipeline._errors import TransportError
 from pipeline._latency import LatencyRecorder
+from pipeline._security import process_keys, secure_server
 from pipeline._sockets import SocketReader
 from transports._network_store import BlockPool, Capacity, Held
 from transports._network_wire import Control, Fetch, NetworkOptions, Part, Status
@@ -136,7 +137,9 @@ class Server:
     def _bind(self) -> tuple[zmq.Socket[Any], str]:
         """Open and bind the ROUTER; the socket and the endpoint receivers connect to."""
         address, ipv6 = _bind_address(self._edge.bind_host)
-        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        sock: zmq.Socket[bytes] = secure_server(
+            zmq.Context.instance().socket(zmq.ROUTER), process_keys()
+        )
         try:
             sock.setsockopt(zmq.LINGER, 0)
             # HWM 0: ZMQ never drops; the per-receiver window bounds what is queued.
