@@ -6,6 +6,7 @@ Every error a user can catch derives from :class:`PipelineError`::
     ├── ConfigError         a spec, YAML file or stage class is wrong; nothing started
     ├── StageError          a stage's ``process`` raised for one request
     ├── StageUnavailable    the replica holding a request died or never came up
+    │   └── MasterUnavailable   a remote master did not answer, or went away
     ├── ChunkGap            a chunk did not arrive within ``chunk_timeout``
     ├── TransportError      a transport could not move or find a payload
     │   └── TransportFull   no capacity freed up within the put's deadline
@@ -30,6 +31,7 @@ __all__ = (
     "ConfigError",
     "EndOfChannel",
     "FailureInfo",
+    "MasterUnavailable",
     "PayloadError",
     "PipelineError",
     "RequestAborted",
@@ -103,6 +105,24 @@ class StageUnavailable(PipelineError):
         self.message = message
         rid = f" (request {request_id})" if request_id else ""
         super().__init__(f"stage {stage!r} unavailable{rid}: {message}")
+
+
+class MasterUnavailable(StageUnavailable):
+    """A remote master (:meth:`Pipeline.connect`) did not answer: nothing serves at its
+    endpoint, it refused the connection, or it went away while requests were in flight.
+
+    Attributes:
+        endpoint: the master's control endpoint.
+    """
+
+    def __init__(self, endpoint: str, message: str, *, request_id: str | None = None) -> None:
+        self.endpoint = endpoint
+        self.stage = "@master"
+        self.request_id = request_id
+        self.message = message
+        rid = f" (request {request_id})" if request_id else ""
+        # Not StageUnavailable's wording: no stage is at fault, the master is.
+        PipelineError.__init__(self, f"the master at {endpoint} is unavailable{rid}: {message}")
 
 
 class ChunkGap(PipelineError):
