@@ -83,6 +83,8 @@ log = structlog.get_logger("stagewire.remote")
 #: While connecting, a ``Hello`` is resent this often: the master may start after the
 #: client, and it answers only once its workers are ready.
 HELLO_INTERVAL_S = 0.25
+#: How much later a refusal must come again to be believed (see ``start``).
+REFUSAL_CHECK_S = 0.2
 #: With requests in flight, the client pings when it has heard nothing for this long (or a
 #: quarter of its ``timeout``, if shorter).
 PING_AFTER_S = 2.0
@@ -348,12 +350,14 @@ class RemotePipeline:
         self._monitor_reader: SocketReader | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._welcome: Welcome | None = None
-        #: A refusal's message, while connecting.
-        self._refusals: list[str] = []
+        #: When the master refused this client, and what it said, while connecting.
+        self._refusals: list[tuple[float, str]] = []
         self._answered = asyncio.Event()
         self._source_type: Any = Any
         self._source_codec: PayloadCodec[Any] = codec_for(Any)
         self._sink_codecs: dict[str, PayloadCodec[Any]] = {}
+        #: The master's payload types not importable here, by path.
+        self._untyped: list[str] = []
         self._calls: dict[int, _Call] = {}
         self._by_id: dict[str, _Call] = {}
         self._tokens = itertools.count(1)
@@ -363,6 +367,10 @@ class RemotePipeline:
         self._cancelled: set[int] = set()
         self._heard = 0.0
         self._pinged = 0.0
+        #: Whether ZMQ holds a connection to the master now.
+        self._connected = False
+        #: The connection dropped and no Welcome has come since.
+        self._rejoining = False
         self._closed = False
         self.counts = dict.fromkeys(
             ("submitted", "completed", "failed", "aborted", "garbage", "restarts"), 0
@@ -373,7 +381,8 @@ class RemotePipeline:
         return f"<RemotePipeline {name!r} at {self.endpoint}>"
 
     def __del__(self) -> None:
-        if self._sock is not None and not self._closed:
+        # getattr: __init__ may have raised before setting them.
+        if getattr(self, "_sock", None) is not None and not getattr(self, "_closed", True):
             warnings.warn(f"unclosed {self!r}: use 'async with'", ResourceWarning, stacklevel=1)
 
     # ---- what the master serves --------------------------------------------------------
@@ -420,12 +429,22 @@ class RemotePipeline:
             self._sock = _client_socket(self._ctx, self.endpoint, self._keys)
             self._reader = SocketReader(self._sock, self._on_frames, self._on_error)
             self._reader.start()
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            )
             self._monitor_reader = SocketReader(self._monitor, self._on_monitor, self._on_error)
             self._monitor_reader.start()
             deadline = loop.time() + self.timeout
             while self._welcome is None:
                 left = deadline - loop.time()
+                refusals = self._refusals
+                # A refusal is believed once repeated a while later, or at the deadline: a
+                # ``stagewire master`` takes clients a moment after its workers are ready,
+                # and in that moment it answers as a batch run does.
+                if refusals and (refusals[-1][0] - refusals[0][0] >= REFUSAL_CHECK_S or left <= 0):
+                    raise PipelineError(
+                        f"the master at {self.endpoint} refuses clients: {refusals[-1][1]}"
+                    )
                 if left <= 0:
                     raise MasterUnavailable(
                         self.endpoint,
@@ -433,20 +452,13 @@ class RemotePipeline:
                         "runs there and its workers are all ready (it answers once they are), "
                         "that this host can reach the address, and, with CURVE, the keys",
                     )
-                if len(self._refusals) >= 2:
-                    raise PipelineError(
-                        f"the master at {self.endpoint} refuses clients: {self._refusals[-1]}"
-                    )
+                if refusals:
+                    await asyncio.sleep(min(REFUSAL_CHECK_S, left))
                 self._answered.clear()
                 self._send(Hello())
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(HELLO_INTERVAL_S, left)):
+                    async with asyncio.timeout(max(0.0, min(HELLO_INTERVAL_S, left))):
                         await self._answered.wait()
-                if self._welcome is None and self._refusals:
-                    # A refusal is believed once repeated: a ``stagewire master`` takes
-                    # clients a moment after its workers are ready, and in that moment it
-                    # answers as a batch run does.
-                    await asyncio.sleep(min(HELLO_INTERVAL_S, max(0.0, deadline - loop.time())))
         except BaseException:
             await self.aclose()
             raise
@@ -467,6 +479,7 @@ class RemotePipeline:
     def _adopt(self, welcome: Welcome) -> None:
         """Take the master's description: on connecting, and again after it restarted."""
         previous, self._welcome = self._welcome, welcome
+        self._rejoining = False
         if previous is not None:
             if previous.instance == welcome.instance:
                 return  # the answer to a ping
@@ -479,6 +492,7 @@ class RemotePipeline:
         self._sink_codecs = {
             sink: _codec(welcome.sink_types.get(sink, ""), missing)[1] for sink in welcome.sinks
         }
+        self._untyped = sorted(missing)
         if missing:
             log.warning(
                 "remote_types_untyped",
@@ -507,14 +521,22 @@ class RemotePipeline:
         log.warning("remote_message_failed", endpoint=self.endpoint, error=repr(exc))
 
     def _on_monitor(self, frames: list[bytes]) -> None:
-        """The connection to the master dropped: fail every request in flight on it.
+        """The connection to the master dropped, or is back.
 
-        Its answers may have been lost with the connection (a restarted master never knew
-        of it), so waiting on could hang; the request fails at once instead. What is sent
-        from now on queues until ZMQ has connected again.
+        Dropped: every request in flight on it fails at once. Its answers may have been lost
+        with the connection (a restarted master never knew of it), so waiting on could hang.
+        What is sent from now on queues until ZMQ has connected again. Back: the client
+        says Hello until it is welcomed, to learn whether this is a new master (whose types
+        may differ).
         """
-        if parse_monitor_message(frames)["event"] != zmq.EVENT_DISCONNECTED:
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected = True
             return
+        if event != zmq.EVENT_DISCONNECTED:
+            return
+        self._connected = False
+        self._rejoining = True
         for call in list(self._calls.values()):
             self._end(
                 call,
@@ -541,7 +563,7 @@ class RemotePipeline:
             return
         if msg.token == 0:
             if isinstance(msg, Finished) and self._welcome is None:
-                self._refusals.append(msg.error or msg.kind)
+                self._refusals.append((self._heard, msg.error or msg.kind))
                 self._answered.set()
             return
         call = self._calls.get(msg.token)
@@ -686,7 +708,8 @@ class RemotePipeline:
         return True
 
     async def statistics(self) -> dict[str, Any]:
-        """Counters of this client: requests by outcome, those in flight, garbage received.
+        """Counters of this client: requests by outcome, those in flight, garbage received;
+        and the master's payload types that decode untyped here.
 
         Raises:
             RuntimeError: the client is not connected.
@@ -696,16 +719,20 @@ class RemotePipeline:
             "endpoint": self.endpoint,
             "pipeline": welcome.pipeline,
             "client": {**self.counts, "active": len(self._calls)},
+            "untyped": list(self._untyped),
         }
 
     # ---- liveness ------------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        """Ping a quiet master while requests wait on it; fail them if it stays quiet."""
+        """Ping a quiet master while requests wait on it, and fail them if it stays quiet;
+        greet a master connected again."""
         loop = asyncio.get_running_loop()
         ping_after = min(PING_AFTER_S, self.timeout / 4)
         while True:
             await asyncio.sleep(ping_after / 2)
+            if self._rejoining and self._connected:
+                self._send(Hello())  # unanswered while a new master waits for its workers
             if not self._calls:
                 continue
             now = loop.time()
