@@ -40,6 +40,7 @@ __all__ = (
     "StageUnavailable",
     "TransportError",
     "TransportFull",
+    "describe_failure",
     "error_to_failure",
     "failure_to_error",
 )
@@ -211,6 +212,33 @@ def error_to_failure(exc: BaseException, *, stage: str, request_id: str) -> Fail
         return FailureInfo("unavailable", exc.message, request_id, exc.stage)
     message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return FailureInfo("stage", message, request_id, stage, traceback=format_traceback(exc))
+
+
+def describe_failure(exc: PipelineError) -> FailureInfo | None:
+    """The fields from which :func:`failure_to_error` rebuilds ``exc`` exactly (for a remote
+    master's client), or None for an error it does not rebuild.
+    """
+    match exc:
+        case StageError():
+            return FailureInfo(
+                "stage", exc.message, exc.request_id, exc.stage, traceback=exc.traceback
+            )
+        case StageUnavailable():
+            return FailureInfo("unavailable", exc.message, exc.request_id or "", exc.stage)
+        case ChunkGap():
+            return FailureInfo(
+                "chunk_gap", str(exc), exc.request_id, edge=exc.edge, seq=exc.seq,
+                timeout=exc.timeout,
+            )  # fmt: skip
+        case PayloadError():
+            return FailureInfo("payload", exc.message, field=exc.field or "")
+        case TransportError():
+            return FailureInfo("transport", str(exc))
+        case RequestAborted():
+            return FailureInfo("aborted", exc.reason, exc.request_id)
+        case RequestTimeout():
+            return FailureInfo("timeout", str(exc), exc.request_id, timeout=exc.timeout)
+    return None
 
 
 #: The most frames, and characters, of a handler's traceback sent to the client.

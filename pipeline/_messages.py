@@ -13,6 +13,7 @@ import msgspec
 from pipeline._errors import FailureInfo
 
 __all__ = (
+    "ENVELOPE_BYTES",
     "NO_DESCRIPTOR",
     "WIRE_CODEC",
     "WIRE_JSON",
@@ -208,6 +209,11 @@ class StatsReply(_Msg, frozen=True, tag="stats"):
     token: int
     stats: dict[str, Any]
 
+
+#: What a control message carrying a payload needs beyond the payload's own bytes (its
+#: tag, token, the sink's name, msgpack lengths), generously: a payload within
+#: ``MAX_CONTROL_MESSAGE - ENVELOPE_BYTES`` always fits one message.
+ENVELOPE_BYTES = 64 * 1024
 
 #: How a client's input and outputs travel (:attr:`Submit.wire`): JSON, tensors and arrays
 #: in outputs summarised by dtype and shape (``stagewire submit``).

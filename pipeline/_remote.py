@@ -32,12 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import itertools
 import os
 import warnings
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self, cast
 
@@ -56,11 +53,10 @@ from pipeline._errors import (
     PipelineError,
     RequestAborted,
     RequestTimeout,
-    TransportError,
-    failure_to_error,
 )
 from pipeline._logging import configure_logging
 from pipeline._messages import (
+    ENVELOPE_BYTES,
     WIRE_CODEC,
     Cancel,
     ControlToClient,
@@ -72,8 +68,9 @@ from pipeline._messages import (
     Welcome,
     encode_message,
 )
-from pipeline._serve import ENVELOPE_BYTES
+from pipeline._remote_stream import Call, RemoteResponseStream
 from pipeline._sockets import SocketReader, for_endpoint
+from pipeline._type_paths import import_type
 from pipeline._worker import MAX_CONTROL_MESSAGE
 
 __all__ = ("RemotePipeline", "RemoteResponseStream")
@@ -125,26 +122,9 @@ def _client_socket(
     return sock
 
 
-def _import_type(path: str) -> tuple[Any, str]:
-    """The type that ``module:QualName`` names, or ``(Any, why not)``; ``""`` is ``Any``."""
-    if not path:
-        return Any, ""
-    module, _, qualname = path.partition(":")
-    try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-    # Importing runs the module, which may fail in any way; the client then goes untyped.
-    except Exception as exc:
-        return Any, f"{type(exc).__name__}: {exc}"
-    if not isinstance(found, type):
-        return Any, f"{path} is not a class"
-    return found, ""
-
-
 def _codec(path: str, missing: dict[str, str]) -> tuple[Any, PayloadCodec[Any]]:
     """The type named ``path`` and its codec; records in ``missing`` why not, untyped."""
-    tp, why = _import_type(path)
+    tp, why = import_type(path)
     if why:
         missing[path] = why
     try:
@@ -152,165 +132,6 @@ def _codec(path: str, missing: dict[str, str]) -> tuple[Any, PayloadCodec[Any]]:
     except PayloadError as exc:
         missing[path] = str(exc)
         return Any, codec_for(Any)
-
-
-def _error(fin: Finished) -> PipelineError:
-    """The exception a failed request's ``Finished`` describes, as the embedded API raises it."""
-    if fin.failure is not None:
-        return failure_to_error(fin.failure)
-    simple: dict[str, type[PipelineError]] = {
-        "PipelineError": PipelineError,
-        "ConfigError": ConfigError,
-        "PayloadError": PayloadError,
-        "TransportError": TransportError,
-    }
-    kind = simple.get(fin.kind)
-    if kind is not None:
-        return kind(fin.error)
-    if fin.kind == "RequestAborted":
-        return RequestAborted("(unknown)", fin.error)
-    return PipelineError(f"{fin.kind}: {fin.error}")
-
-
-@dataclass(slots=True, eq=False)
-class _Call:
-    """One request in flight: what the master has answered, waiting to be read."""
-
-    token: int
-    #: Loop time the request was sent: it may wait ``timeout`` from then for a first word.
-    sent_at: float
-    #: Loop time past which the client gives up on it (the pipeline's request_timeout).
-    deadline: float | None
-    queue: asyncio.Queue[Started | Output | Finished | PipelineError] = field(
-        default_factory=asyncio.Queue
-    )
-    request_id: str | None = None
-
-
-class RemoteResponseStream:
-    """The outputs of one remote request, in order; leaving early aborts it everywhere.
-
-    Use as ``async for chunk in pipe.stream(x)``, or as an async context manager to read
-    :attr:`request_id` before the first chunk.
-    """
-
-    def __init__(self, pipe: RemotePipeline, value: Any) -> None:
-        self._pipe = pipe
-        self._value = value
-        self._call: _Call | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        #: The master ended the request (completed or failed), or it was given up here.
-        self._ended = False
-        #: An answer taken from the queue by ``start`` that the iteration must see first.
-        self._held: Started | Output | Finished | PipelineError | None = None
-
-    def __del__(self) -> None:
-        # Dropped unfinished (a ``break`` out of ``async for``): nothing else would end the
-        # request, which holds a slot and state in every stage of the master's pipeline.
-        if self._ended or self._call is None or self._loop is None or self._loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            self._loop.call_soon_threadsafe(
-                self._pipe._give_up, self._call, "abandoned by the client"
-            )
-
-    @property
-    def request_id(self) -> str | None:
-        """The request's id at the master, once it has started there."""
-        return self._call.request_id if self._call else None
-
-    def _submit(self) -> _Call:
-        if self._call is None:
-            self._loop = asyncio.get_running_loop()
-            self._call = self._pipe._submit(self._value)
-        return self._call
-
-    async def start(self) -> str:
-        """Submit the request now and wait until the master has admitted it; returns its id.
-
-        Raises:
-            PayloadError: the input does not match the source stage's type, or is too large
-                for one message to the master.
-            StageUnavailable: a stage had no ready replica for ``replica_wait``.
-            MasterUnavailable: the master did not answer within ``timeout``.
-            RequestAborted: the request was aborted, or the client closed.
-        """
-        call = self._submit()
-        while call.request_id is None:
-            try:
-                item = await call.queue.get()
-            except BaseException:
-                await self.aclose()
-                raise
-            if isinstance(item, Started):
-                continue  # its id is recorded already
-            # The request ended before it was admitted (a bad input, no replica): the
-            # iteration raises its error.
-            self._held = item
-            with contextlib.suppress(StopAsyncIteration):
-                await self.__anext__()
-            await self.aclose()
-            raise PipelineError(
-                f"the master at {self._pipe.endpoint} answered a request it had not admitted"
-            )
-        return call.request_id
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self
-
-    async def __anext__(self) -> Any:
-        """The next output chunk.
-
-        Raises:
-            StopAsyncIteration: every sink sent its final chunk.
-            StageError: a stage raised for this request.
-            StageUnavailable: a replica bound to this request died.
-            MasterUnavailable: the master stopped answering, or restarted.
-            ChunkGap: a chunk went missing past ``chunk_timeout``.
-            PayloadError: a payload did not match its declared type.
-            RequestTimeout: the request passed its deadline.
-            RequestAborted: the request was aborted, or the client closed.
-        """
-        if self._ended:
-            raise StopAsyncIteration
-        call = self._submit()
-        try:
-            while True:
-                item, self._held = self._held, None
-                if item is None:
-                    item = await call.queue.get()
-                if isinstance(item, Started):
-                    continue
-                if isinstance(item, Output):
-                    return self._pipe._decode_output(item)
-                self._ended = True
-                if isinstance(item, PipelineError):
-                    raise item
-                if not item.kind:
-                    raise StopAsyncIteration
-                raise _error(item)
-        except StopAsyncIteration:
-            raise
-        except BaseException:
-            await self.aclose()
-            raise
-
-    async def aclose(self) -> None:
-        """Abort the request at the master if it has not ended; idempotent.
-
-        Raises:
-            Nothing: aborting an ended request does nothing.
-        """
-        if not self._ended and self._call is not None:
-            self._pipe._give_up(self._call, "cancelled by the client")
-        self._ended = True
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 class RemotePipeline:
@@ -358,8 +179,8 @@ class RemotePipeline:
         self._sink_codecs: dict[str, PayloadCodec[Any]] = {}
         #: The master's payload types not importable here, by path.
         self._untyped: list[str] = []
-        self._calls: dict[int, _Call] = {}
-        self._by_id: dict[str, _Call] = {}
+        self._calls: dict[int, Call] = {}
+        self._by_id: dict[str, Call] = {}
         self._tokens = itertools.count(1)
         self._last_token = 0
         #: Tokens cancelled here whose Finished has not come yet: their stray outputs are
@@ -589,7 +410,7 @@ class RemotePipeline:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def _submit(self, value: Any) -> _Call:
+    def _submit(self, value: Any) -> Call:
         """Send ``value`` as a new request.
 
         Raises:
@@ -620,7 +441,7 @@ class RemotePipeline:
         self._last_token = token
         now = asyncio.get_running_loop().time()
         timeout = welcome.request_timeout
-        call = _Call(token, now, now + timeout + self.timeout if timeout > 0 else None)
+        call = Call(token, now, now + timeout + self.timeout if timeout > 0 else None)
         # msgspec writes any buffer (a memoryview of a tensor's memory) as bytes.
         buffers = cast("list[bytearray]", list(encoded.buffers))
         self._send(Submit(token, encoded.header, WIRE_CODEC, buffers))
@@ -640,12 +461,12 @@ class RemotePipeline:
             return SinkOutput(msg.stage, value)
         return value
 
-    def _forget(self, call: _Call) -> None:
+    def _forget(self, call: Call) -> None:
         self._calls.pop(call.token, None)
         if call.request_id is not None:
             self._by_id.pop(call.request_id, None)
 
-    def _end(self, call: _Call, exc: PipelineError, *, outcome: str = "failed") -> None:
+    def _end(self, call: Call, exc: PipelineError, *, outcome: str = "failed") -> None:
         """End a request here with ``exc`` and stop it at the master (if it is there)."""
         if self._calls.get(call.token) is not call:
             return
@@ -656,7 +477,7 @@ class RemotePipeline:
             self._cancelled.add(call.token)
             self._send(Cancel(call.token))
 
-    def _give_up(self, call: _Call, reason: str) -> None:
+    def _give_up(self, call: Call, reason: str) -> None:
         """The client left the request's stream before it ended: abort it everywhere."""
         aborted = RequestAborted(call.request_id or "(not started)", reason)
         self._end(call, aborted, outcome="aborted")

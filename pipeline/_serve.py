@@ -33,19 +33,10 @@ import structlog
 from pipeline._api import Pipeline, SinkOutput
 from pipeline._codec import PayloadCodec, codec_for
 from pipeline._encoded import Encoded, to_host
-from pipeline._errors import (
-    ChunkGap,
-    FailureInfo,
-    PayloadError,
-    PipelineError,
-    RequestAborted,
-    RequestTimeout,
-    StageError,
-    StageUnavailable,
-    TransportError,
-)
+from pipeline._errors import FailureInfo, PayloadError, PipelineError, describe_failure
 from pipeline._keys import CLIENT
 from pipeline._messages import (
+    ENVELOPE_BYTES,
     WIRE_CODEC,
     WIRE_JSON,
     Cancel,
@@ -57,16 +48,12 @@ from pipeline._messages import (
     Submit,
     Welcome,
 )
+from pipeline._type_paths import type_path
 from pipeline._worker import MAX_CONTROL_MESSAGE
 
-__all__ = ("ENVELOPE_BYTES", "ClientServer", "failure_of", "to_json", "type_path")
+__all__ = ("ClientServer", "to_json")
 
 log = structlog.get_logger("stagewire.serve")
-
-#: What a control message carrying a payload needs beyond the payload's own bytes (its
-#: tag, token, the sink's name, msgpack lengths), generously: a payload within
-#: ``MAX_CONTROL_MESSAGE - ENVELOPE_BYTES`` always fits one message.
-ENVELOPE_BYTES = 64 * 1024
 
 
 def _json_default(obj: Any) -> Any:
@@ -81,48 +68,6 @@ def _json_default(obj: Any) -> Any:
 
 #: An output as JSON bytes, tensors and arrays summarised.
 to_json = msgspec.json.Encoder(enc_hook=_json_default).encode
-
-
-def type_path(tp: Any) -> str:
-    """``module:QualName`` of a payload type that can be imported by that name, else ``""``.
-
-    ``""`` stands for ``Any`` and for types with no importable name (generics, classes
-    defined inside a function): a client decodes those untyped.
-    """
-    if tp is Any or not isinstance(tp, type):
-        return ""
-    module, qualname = getattr(tp, "__module__", ""), getattr(tp, "__qualname__", "")
-    if not module or not qualname or "<" in qualname or module == "__main__":
-        return ""
-    return f"{module}:{qualname}"
-
-
-def failure_of(exc: PipelineError) -> FailureInfo | None:
-    """The fields of ``exc`` from which a client rebuilds it exactly; None for the others.
-
-    ``failure_to_error`` (:mod:`pipeline._errors`) reads them back.
-    """
-    match exc:
-        case StageError():
-            return FailureInfo(
-                "stage", exc.message, exc.request_id, exc.stage, traceback=exc.traceback
-            )
-        case StageUnavailable():
-            return FailureInfo("unavailable", exc.message, exc.request_id or "", exc.stage)
-        case ChunkGap():
-            return FailureInfo(
-                "chunk_gap", str(exc), exc.request_id, edge=exc.edge, seq=exc.seq,
-                timeout=exc.timeout,
-            )  # fmt: skip
-        case PayloadError():
-            return FailureInfo("payload", exc.message, field=exc.field or "")
-        case TransportError():
-            return FailureInfo("transport", str(exc))
-        case RequestAborted():
-            return FailureInfo("aborted", exc.reason, exc.request_id)
-        case RequestTimeout():
-            return FailureInfo("timeout", str(exc), exc.request_id, timeout=exc.timeout)
-    return None
 
 
 class ClientServer:
@@ -262,7 +207,7 @@ class ClientServer:
             raise
         except PipelineError as exc:
             self.failed += 1
-            send(identity, Finished(msg.token, type(exc).__name__, str(exc), failure_of(exc)))
+            send(identity, Finished(msg.token, type(exc).__name__, str(exc), describe_failure(exc)))
             return
         except Exception as exc:  # a bug here must still answer the client, not strand it
             self.failed += 1
