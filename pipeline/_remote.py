@@ -182,10 +182,6 @@ class RemotePipeline:
         self._calls: dict[int, Call] = {}
         self._by_id: dict[str, Call] = {}
         self._tokens = itertools.count(1)
-        self._last_token = 0
-        #: Tokens cancelled here whose Finished has not come yet: their stray outputs are
-        #: expected, not a reason to cancel again.
-        self._cancelled: set[int] = set()
         self._heard = 0.0
         self._pinged = 0.0
         #: Whether ZMQ holds a connection to the master now.
@@ -389,8 +385,7 @@ class RemotePipeline:
             return
         call = self._calls.get(msg.token)
         if call is None:
-            self._stray(msg.token, isinstance(msg, Finished))
-            return
+            return  # given up here, its Cancel sent: what it still sent is not wanted
         if isinstance(msg, Started):
             call.request_id = msg.request_id
             self._by_id[msg.request_id] = call
@@ -398,15 +393,6 @@ class RemotePipeline:
             self._forget(call)
             self.counts["completed" if not msg.kind else "failed"] += 1
         call.queue.put_nowait(msg)
-
-    def _stray(self, token: int, finished: bool) -> None:
-        """An answer for a request this client no longer waits on."""
-        if finished:
-            self._cancelled.discard(token)
-        elif 0 < token <= self._last_token and token not in self._cancelled:
-            # Given up here (the master went quiet, then came back): stop it there too.
-            self._cancelled.add(token)
-            self._send(Cancel(token))
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -438,7 +424,6 @@ class RemotePipeline:
                 "URL) instead"
             )
         token = next(self._tokens)
-        self._last_token = token
         now = asyncio.get_running_loop().time()
         timeout = welcome.request_timeout
         call = Call(token, now, now + timeout + self.timeout if timeout > 0 else None)
@@ -474,7 +459,6 @@ class RemotePipeline:
         self.counts[outcome] += 1
         call.queue.put_nowait(exc)
         if not self._closed:
-            self._cancelled.add(call.token)
             self._send(Cancel(call.token))
 
     def _give_up(self, call: Call, reason: str) -> None:
@@ -601,9 +585,10 @@ class RemotePipeline:
                 outcome="aborted",
             )
         self._closed = True
+        # Everything that frees a resource happens before the first await, so that closing
+        # cancelled midway still leaves no socket open.
         if self._watchdog is not None:
             self._watchdog.cancel()
-            await asyncio.gather(self._watchdog, return_exceptions=True)
         for reader in (self._reader, self._monitor_reader):
             if reader is not None:
                 reader.stop()
@@ -613,6 +598,8 @@ class RemotePipeline:
                 self._monitor.close(linger=0)
             self._sock.close(linger=CANCEL_LINGER_MS if cancels else 0)
         ctx, self._ctx = self._ctx, None
+        if self._watchdog is not None:
+            await asyncio.gather(self._watchdog, return_exceptions=True)
         if ctx is not None:
             # Terminating waits (at most the linger) for the cancels to leave: not here.
             await asyncio.to_thread(ctx.term)
