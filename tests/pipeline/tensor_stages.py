@@ -24,9 +24,13 @@ class Frame(msgspec.Struct):
 
 class Scale(Stage):
     """Streams the frame with its pixels times each of FACTORS; the frame named 'stall'
-    stops after its first chunk and never ends."""
+    stops after its first chunk and never ends; the frame named 'grow' comes back once,
+    its pixels repeated twice over (twice the bytes)."""
 
     async def process(self, frame: Frame, ctx: Context) -> AsyncIterator[Frame]:
+        if frame.name == "grow":
+            yield Frame(frame.name, frame.pixels.repeat(2))
+            return
         for k in FACTORS:
             if frame.name == "stall" and k != FACTORS[0]:
                 await asyncio.Event().wait()  # never set: the stream stalls until aborted

@@ -454,6 +454,10 @@ async def test_a_tensor_payload_round_trips_typed(tmp_path: Path) -> None:
             with pytest.raises(PayloadError, match="by reference"):
                 await pipe.submit(Frame("big", torch.zeros(64 * 1024 * 1024, dtype=torch.uint8)))
             assert (await pipe.statistics())["client"]["submitted"] == 4
+            # An output too large for one: that request fails, clearly; the next is served.
+            with pytest.raises(PayloadError, match="more than a remote client can be sent"):
+                await pipe.submit(Frame("grow", torch.ones(40 * 1024 * 1024, dtype=torch.uint8)))
+            assert (await pipe.submit(Frame("h", torch.ones(2)))).name == f"h*{FACTORS[-1]}"
     finally:
         _kill(procs)
 
