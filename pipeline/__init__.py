@@ -9,6 +9,7 @@ from ._config import StageSpec as StageSpec
 from ._errors import ChunkGap as ChunkGap
 from ._errors import ConfigError as ConfigError
 from ._errors import EndOfChannel as EndOfChannel
+from ._errors import MasterUnavailable as MasterUnavailable
 from ._errors import PayloadError as PayloadError
 from ._errors import PipelineError as PipelineError
 from ._errors import RequestAborted as RequestAborted
@@ -18,6 +19,7 @@ from ._errors import StageUnavailable as StageUnavailable
 from ._errors import TransportError as TransportError
 from ._errors import TransportFull as TransportFull
 from ._keys import ChunkKey as ChunkKey
+from ._remote import RemotePipeline as RemotePipeline
 from ._stage import Context as Context
 from ._stage import Outputs as Outputs
 from ._stage import Stage as Stage
@@ -30,11 +32,13 @@ __all__ = (
     "Context",
     "EdgeSpec",
     "EndOfChannel",
+    "MasterUnavailable",
     "Outputs",
     "PayloadError",
     "Pipeline",
     "PipelineError",
     "PipelineSpec",
+    "RemotePipeline",
     "RequestAborted",
     "RequestTimeout",
     "ResponseStream",

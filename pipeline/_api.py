@@ -11,7 +11,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import structlog
 
@@ -24,6 +24,9 @@ from pipeline._orchestrator import ClientRequest
 from pipeline._security import resolve_keys
 from pipeline._signature import PipelinePlan, build_plan
 from pipeline._yaml import YamlDocument, read_yaml_file
+
+if TYPE_CHECKING:
+    from pipeline._remote import RemotePipeline
 
 __all__ = ("Pipeline", "ResponseStream", "SinkOutput")
 
@@ -167,6 +170,31 @@ class Pipeline:
         document = read_yaml_file(path)
         # The document goes along so that errors found building the plan name their line.
         return cls(PipelineSpec.from_document(document), source=os.fspath(path), _document=document)
+
+    @classmethod
+    def connect(
+        cls,
+        endpoint: str,
+        *,
+        timeout: float = 10.0,
+        keys: str | os.PathLike[str] | None = None,
+    ) -> RemotePipeline:
+        """A client of the pipeline a remote master serves (``stagewire master``), with this
+        class's calls; connects on ``async with`` (or ``start``).
+
+        Args:
+            endpoint: the master's control endpoint, such as ``tcp://10.0.0.5:7600``.
+            timeout: seconds to wait for the master's answer, on connecting and whenever it
+                goes quiet while requests are in flight.
+            keys: a CURVE key pair (not supported yet: giving one is a ConfigError).
+
+        Raises:
+            ConfigError: ``timeout`` is not positive.
+        """
+        # Imported here: the remote client builds on this module (SinkOutput).
+        from pipeline._remote import RemotePipeline
+
+        return RemotePipeline(endpoint, timeout=timeout, keys=keys)
 
     def _master_or_fail(self) -> Master:
         if self._master is None:

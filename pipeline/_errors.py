@@ -6,6 +6,7 @@ Every error a user can catch derives from :class:`PipelineError`::
     ├── ConfigError         a spec, YAML file or stage class is wrong; nothing started
     ├── StageError          a stage's ``process`` raised for one request
     ├── StageUnavailable    the replica holding a request died or never came up
+    │   └── MasterUnavailable   a remote master did not answer, or went away
     ├── ChunkGap            a chunk did not arrive within ``chunk_timeout``
     ├── TransportError      a transport could not move or find a payload
     │   └── TransportFull   no capacity freed up within the put's deadline
@@ -30,6 +31,7 @@ __all__ = (
     "ConfigError",
     "EndOfChannel",
     "FailureInfo",
+    "MasterUnavailable",
     "PayloadError",
     "PipelineError",
     "RequestAborted",
@@ -38,6 +40,7 @@ __all__ = (
     "StageUnavailable",
     "TransportError",
     "TransportFull",
+    "describe_failure",
     "error_to_failure",
     "failure_to_error",
 )
@@ -103,6 +106,24 @@ class StageUnavailable(PipelineError):
         self.message = message
         rid = f" (request {request_id})" if request_id else ""
         super().__init__(f"stage {stage!r} unavailable{rid}: {message}")
+
+
+class MasterUnavailable(StageUnavailable):
+    """A remote master (:meth:`Pipeline.connect`) did not answer: nothing serves at its
+    endpoint, it refused the connection, or it went away while requests were in flight.
+
+    Attributes:
+        endpoint: the master's control endpoint.
+    """
+
+    def __init__(self, endpoint: str, message: str, *, request_id: str | None = None) -> None:
+        self.endpoint = endpoint
+        self.stage = "@master"
+        self.request_id = request_id
+        self.message = message
+        rid = f" (request {request_id})" if request_id else ""
+        # Not StageUnavailable's wording: no stage is at fault, the master is.
+        PipelineError.__init__(self, f"the master at {endpoint} is unavailable{rid}: {message}")
 
 
 class ChunkGap(PipelineError):
@@ -191,6 +212,33 @@ def error_to_failure(exc: BaseException, *, stage: str, request_id: str) -> Fail
         return FailureInfo("unavailable", exc.message, request_id, exc.stage)
     message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return FailureInfo("stage", message, request_id, stage, traceback=format_traceback(exc))
+
+
+def describe_failure(exc: PipelineError) -> FailureInfo | None:
+    """The fields from which :func:`failure_to_error` rebuilds ``exc`` exactly (for a remote
+    master's client), or None for an error it does not rebuild.
+    """
+    match exc:
+        case StageError():
+            return FailureInfo(
+                "stage", exc.message, exc.request_id, exc.stage, traceback=exc.traceback
+            )
+        case StageUnavailable():
+            return FailureInfo("unavailable", exc.message, exc.request_id or "", exc.stage)
+        case ChunkGap():
+            return FailureInfo(
+                "chunk_gap", str(exc), exc.request_id, edge=exc.edge, seq=exc.seq,
+                timeout=exc.timeout,
+            )  # fmt: skip
+        case PayloadError():
+            return FailureInfo("payload", exc.message, field=exc.field or "")
+        case TransportError():
+            return FailureInfo("transport", str(exc))
+        case RequestAborted():
+            return FailureInfo("aborted", exc.reason, exc.request_id)
+        case RequestTimeout():
+            return FailureInfo("timeout", str(exc), exc.request_id, timeout=exc.timeout)
+    return None
 
 
 #: The most frames, and characters, of a handler's traceback sent to the client.

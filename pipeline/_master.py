@@ -30,13 +30,14 @@ from pipeline._messages import (
     Abort,
     Admit,
     Assignment,
-    Cancel,
+    ControlToClient,
     ControlToMaster,
     Drop,
     Failed,
     Finished,
+    FromClient,
     Heartbeat,
-    Output,
+    Hello,
     Peer,
     Peers,
     PeerTable,
@@ -156,7 +157,7 @@ class Master:
         self._tasks: list[asyncio.Task[None]] = []
         self.orchestrator: Orchestrator | None = None
         #: Handles remote clients' messages (``stagewire master``); None refuses them.
-        self.on_client: Callable[[bytes, Submit | Cancel], None] | None = None
+        self.on_client: Callable[[bytes, FromClient], None] | None = None
         self._closed = False
 
     @property
@@ -211,7 +212,7 @@ class Master:
             return  # the peer vanished; heartbeats will notice
         self._control_reader.kick()
 
-    def send_client(self, identity: bytes, msg: Output | Finished) -> None:
+    def send_client(self, identity: bytes, msg: ControlToClient) -> None:
         """Answer a remote client on the control socket (dropped if it has gone)."""
         self._send(identity, msg)
 
@@ -259,10 +260,15 @@ class Master:
         if isinstance(msg, Register):
             self._register(identity, msg)
             return
-        if isinstance(msg, Submit | Cancel):
+        if isinstance(msg, FromClient):
             if self.on_client is not None:
                 self.on_client(identity, msg)
-            elif isinstance(msg, Submit):
+            elif isinstance(msg, Submit) or (
+                isinstance(msg, Hello) and self.startup.ready.is_set()
+            ):
+                # A Hello goes unanswered during start-up: ``stagewire master`` takes
+                # clients only once its workers are ready, and until then cannot be told
+                # from a batch run; the client keeps asking until its timeout.
                 self._send(
                     identity,
                     Finished(

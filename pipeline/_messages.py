@@ -13,7 +13,10 @@ import msgspec
 from pipeline._errors import FailureInfo
 
 __all__ = (
+    "ENVELOPE_BYTES",
     "NO_DESCRIPTOR",
+    "WIRE_CODEC",
+    "WIRE_JSON",
     "Abort",
     "Admit",
     "Assignment",
@@ -28,7 +31,9 @@ __all__ = (
     "Drop",
     "Failed",
     "Finished",
+    "FromClient",
     "Heartbeat",
+    "Hello",
     "Output",
     "Peer",
     "PeerTable",
@@ -37,9 +42,11 @@ __all__ = (
     "Register",
     "SetupFailed",
     "Shutdown",
+    "Started",
     "StatsReply",
     "StatsRequest",
     "Submit",
+    "Welcome",
     "decode_batch",
     "encode_batch",
     "encode_message",
@@ -203,12 +210,29 @@ class StatsReply(_Msg, frozen=True, tag="stats"):
     stats: dict[str, Any]
 
 
-class Submit(_Msg, frozen=True, tag="submit"):
-    """A remote client's request (``stagewire submit``): the source's input as JSON."""
+#: What a control message carrying a payload needs beyond the payload's own bytes (its
+#: tag, token, the sink's name, msgpack lengths), generously: a payload within
+#: ``MAX_CONTROL_MESSAGE - ENVELOPE_BYTES`` always fits one message.
+ENVELOPE_BYTES = 64 * 1024
 
-    #: The client's own number for the request, echoed in every answer.
+#: How a client's input and outputs travel (:attr:`Submit.wire`): JSON, tensors and arrays
+#: in outputs summarised by dtype and shape (``stagewire submit``).
+WIRE_JSON = "json"
+#: The payload codec's msgpack header, tensors and arrays as out-of-band buffers beside
+#: it (:class:`~pipeline.RemotePipeline`): typed values, never pickled.
+WIRE_CODEC = "codec"
+
+
+class Submit(_Msg, frozen=True, tag="submit"):
+    """A remote client's request: the source's input, as ``wire`` says."""
+
+    #: The client's own number for the request (from 1), echoed in every answer.
     token: int
+    #: JSON (:data:`WIRE_JSON`), or the codec's header (:data:`WIRE_CODEC`).
     input: bytes
+    wire: str = WIRE_JSON
+    #: The input's out-of-band buffers (tensor and array bytes), for :data:`WIRE_CODEC`.
+    buffers: list[bytearray] = []
 
 
 class Cancel(_Msg, frozen=True, tag="cancel"):
@@ -217,7 +241,24 @@ class Cancel(_Msg, frozen=True, tag="cancel"):
     token: int
 
 
-ControlToMaster = Register | Ready | SetupFailed | Heartbeat | Failed | StatsReply | Submit | Cancel
+class Hello(_Msg, frozen=True, tag="hello"):
+    """A client connects, or checks that the master is still there: :class:`Welcome` answers.
+
+    A master that takes no clients (a batch ``stagewire run``) answers with
+    :class:`Finished` for ``token`` instead, saying so; a master still waiting for its
+    workers answers nothing yet.
+    """
+
+    #: Echoed by a refusal; 0, which no request uses.
+    token: int = 0
+
+
+#: What a remote client sends; the master hands it to its client server, if it has one.
+FromClient = Submit | Cancel | Hello
+
+ControlToMaster = (
+    Register | Ready | SetupFailed | Heartbeat | Failed | StatsReply | Submit | Cancel | Hello
+)
 
 
 # ---- control plane: master -> worker ------------------------------------------------------
@@ -300,13 +341,44 @@ ControlToWorker = Assignment | Peers | Admit | Abort | Drop | Heartbeat | StatsR
 # ---- control plane: master -> remote client -----------------------------------------------
 
 
+class Welcome(_Msg, frozen=True, tag="welcome"):
+    """A master that serves clients answers :class:`Hello`: what it runs.
+
+    Types are import paths (``module:QualName``), empty where there is none to give (``Any``,
+    or a type that cannot be imported by name): the client decodes those untyped.
+    """
+
+    pipeline: str
+    sources: list[str]
+    sinks: list[str]
+    #: The source stage's input type.
+    source_type: str
+    #: Each sink's output type.
+    sink_types: dict[str, str]
+    #: Random for each run of the master: a client that sees it change knows the master
+    #: restarted, and that the requests it had in flight there are lost.
+    instance: str
+    #: The pipeline's ``request_timeout`` in seconds; 0 for none.
+    request_timeout: float = 0.0
+
+
+class Started(_Msg, frozen=True, tag="started"):
+    """A :data:`WIRE_CODEC` client's request ``token`` was admitted as ``request_id``."""
+
+    token: int
+    request_id: str
+
+
 class Output(_Msg, frozen=True, tag="output"):
-    """One output chunk of a remote client's request, as JSON (tensors summarised)."""
+    """One output chunk of a remote client's request, in the request's ``wire``."""
 
     token: int
     #: The sink that produced it.
     stage: str
+    #: JSON, tensors summarised (:data:`WIRE_JSON`), or the codec's header (:data:`WIRE_CODEC`).
     value: bytes
+    #: The value's out-of-band buffers, for :data:`WIRE_CODEC`.
+    buffers: list[bytearray] = []
 
 
 class Finished(_Msg, frozen=True, tag="finished"):
@@ -316,9 +388,12 @@ class Finished(_Msg, frozen=True, tag="finished"):
     #: The exception's class name (``StageError``, ``PayloadError``, ...), or empty.
     kind: str = ""
     error: str = ""
+    #: The error's fields, from which the client rebuilds the very exception (its stage,
+    #: request id, traceback, ...); None where ``kind`` and ``error`` are all there is.
+    failure: FailureInfo | None = None
 
 
-ControlToClient = Output | Finished
+ControlToClient = Welcome | Started | Output | Finished
 
 
 # ---- what a data socket accepts -----------------------------------------------------------

@@ -1,25 +1,55 @@
-"""A master that serves remote clients: ``stagewire master`` answers ``stagewire submit``.
+"""A master that serves remote clients: ``stagewire submit`` and :meth:`Pipeline.connect`.
 
-A client sends :class:`~pipeline._messages.Submit` (the source's input as JSON) to the
-master's control endpoint; the master runs the request as an embedded client would
+A client sends :class:`~pipeline._messages.Submit` (the source's input) to the master's
+control endpoint; the master runs the request as an embedded client would
 (:meth:`Pipeline.stream`) and answers with an :class:`~pipeline._messages.Output` per
 output chunk, as it arrives, then :class:`~pipeline._messages.Finished`. A
-:class:`~pipeline._messages.Cancel` aborts the request in every stage. Outputs travel as
-JSON, tensors and arrays summarised by dtype and shape: a remote client reads results,
-it does not receive tensors (no pickle anywhere).
+:class:`~pipeline._messages.Cancel` aborts the request in every stage.
+
+A request travels in one of two wire forms, as its ``Submit`` says:
+
+- **JSON** (``stagewire submit``): the input is JSON, and outputs are JSON with tensors and
+  arrays summarised by dtype and shape: a command-line client reads results.
+- **codec** (:class:`~pipeline.RemotePipeline`): the input and every output are encoded by
+  the payload codec, tensors and arrays as out-of-band buffers carried in the same
+  message, so the client gets typed values (Structs holding tensors). Such a client first
+  says :class:`~pipeline._messages.Hello` and is answered
+  :class:`~pipeline._messages.Welcome` (the pipeline's sources, sinks and payload types, by
+  import path), and it learns each request's id (:class:`~pipeline._messages.Started`).
+
+Nothing is ever pickled; a payload too large for one control message fails its request
+with a :class:`PayloadError` instead of being dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import os
+from typing import Any, cast
 
 import msgspec
 import structlog
 
 from pipeline._api import Pipeline, SinkOutput
-from pipeline._errors import PayloadError, PipelineError
-from pipeline._messages import Cancel, Finished, Output, Submit
+from pipeline._codec import PayloadCodec, codec_for
+from pipeline._encoded import Encoded, to_host
+from pipeline._errors import FailureInfo, PayloadError, PipelineError, describe_failure
+from pipeline._keys import CLIENT
+from pipeline._messages import (
+    ENVELOPE_BYTES,
+    WIRE_CODEC,
+    WIRE_JSON,
+    Cancel,
+    Finished,
+    FromClient,
+    Hello,
+    Output,
+    Started,
+    Submit,
+    Welcome,
+)
+from pipeline._type_paths import type_path
+from pipeline._worker import MAX_CONTROL_MESSAGE
 
 __all__ = ("ClientServer", "to_json")
 
@@ -53,13 +83,27 @@ class ClientServer:
     def __init__(self, pipe: Pipeline) -> None:
         self._pipe = pipe
         self._master = pipe._master_or_fail()
-        sources = pipe.plan.sources
+        plan = pipe.plan
+        sources = plan.sources
         self._source_type = (
-            next(iter(pipe.plan.stages[sources[0]].inputs.values())).payload_type
+            next(iter(plan.stages[sources[0]].inputs.values())).payload_type
             if len(sources) == 1
             else None
         )
-        self._sinks = pipe.plan.sinks
+        self._sinks = plan.sinks
+        sink_types = {sink: plan.stages[sink].outputs[CLIENT].payload_type for sink in self._sinks}
+        self._codecs: dict[str, PayloadCodec[Any]] = {
+            sink: codec_for(tp) for sink, tp in sink_types.items()
+        }
+        self._welcome = Welcome(
+            pipe.spec.name,
+            list(sources),
+            list(self._sinks),
+            type_path(self._source_type),
+            {sink: type_path(tp) for sink, tp in sink_types.items()},
+            os.urandom(8).hex(),
+            pipe.spec.defaults.request_timeout or 0.0,
+        )
         self._tasks: dict[tuple[bytes, int], asyncio.Task[None]] = {}
         #: Requests whose client sent Cancel (a task's own cancellation says not who).
         self._by_client: set[tuple[bytes, int]] = set()
@@ -71,7 +115,10 @@ class ClientServer:
         """Take the master's client messages from now on."""
         self._master.on_client = self._on_client
 
-    def _on_client(self, identity: bytes, msg: Submit | Cancel) -> None:
+    def _on_client(self, identity: bytes, msg: FromClient) -> None:
+        if isinstance(msg, Hello):
+            self._master.send_client(identity, self._welcome)
+            return
         key = (identity, msg.token)
         if isinstance(msg, Cancel):
             task = self._tasks.get(key)
@@ -85,25 +132,68 @@ class ClientServer:
         self._tasks[key] = task
         task.add_done_callback(lambda _: self._tasks.pop(key, None))
 
+    def _input(self, msg: Submit) -> Any:
+        """The request's input, decoded as the source stage's type.
+
+        Raises:
+            PayloadError: it does not match that type, or the wire form is unknown.
+        """
+        tp = self._source_type
+        if tp is None:
+            raise PayloadError(
+                f"submit takes one input, but this pipeline has several sources: "
+                f"{self._pipe.plan.sources}"
+            )
+        if msg.wire == WIRE_CODEC:
+            return codec_for(tp).decode(Encoded(msg.input, tuple(msg.buffers)))
+        if msg.wire != WIRE_JSON:
+            raise PayloadError(
+                f"unknown wire form {msg.wire!r}: this master takes {WIRE_JSON!r} and "
+                f"{WIRE_CODEC!r}; upgrade it or the client to the same stagewire"
+            )
+        try:
+            return msgspec.json.decode(msg.input, type=tp)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            name = getattr(tp, "__name__", str(tp))
+            raise PayloadError(f"the input is not a valid {name}: {exc}") from None
+
+    def _output(self, token: int, sink: str, value: Any, wire: str) -> Output:
+        """One output chunk in the request's wire form.
+
+        Raises:
+            PayloadError: it cannot be encoded, or it is too large for one control message.
+        """
+        if wire == WIRE_CODEC:
+            encoded = to_host(self._codecs[sink].encode(value))
+            header, size = encoded.header, encoded.nbytes
+            # msgspec writes any buffer (a memoryview of a tensor's memory, here) as bytes,
+            # which is what the field's bytearray decodes from.
+            buffers = cast("list[bytearray]", list(encoded.buffers))
+        else:
+            header, buffers = to_json(value), []
+            size = len(header)
+        if size > MAX_CONTROL_MESSAGE - ENVELOPE_BYTES:
+            raise PayloadError(
+                f"an output of stage {sink!r} is {size} bytes, more than a remote client can "
+                f"be sent in one message ({MAX_CONTROL_MESSAGE - ENVELOPE_BYTES}); return "
+                "large data by reference (a path or URL) instead"
+            )
+        return Output(token, sink, header, buffers)
+
     async def _serve(self, identity: bytes, msg: Submit) -> None:
         send = self._master.send_client
+        request_id = ""
         try:
-            if self._source_type is None:
-                raise PayloadError(
-                    f"submit takes one input, but this pipeline has several sources: "
-                    f"{self._pipe.plan.sources}"
-                )
-            try:
-                value = msgspec.json.decode(msg.input, type=self._source_type)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                name = getattr(self._source_type, "__name__", str(self._source_type))
-                raise PayloadError(f"the input is not a valid {name}: {exc}") from None
+            value = self._input(msg)
             async with self._pipe.stream(value) as stream:
+                request_id = stream.request_id or ""
+                if msg.wire == WIRE_CODEC:
+                    send(identity, Started(msg.token, request_id))
                 async for chunk in stream:
                     if isinstance(chunk, SinkOutput):
-                        send(identity, Output(msg.token, chunk.stage, to_json(chunk.value)))
+                        send(identity, self._output(msg.token, chunk.stage, chunk.value, msg.wire))
                     else:
-                        send(identity, Output(msg.token, self._sinks[0], to_json(chunk)))
+                        send(identity, self._output(msg.token, self._sinks[0], chunk, msg.wire))
         except asyncio.CancelledError:
             if (identity, msg.token) in self._by_client:
                 self._by_client.discard((identity, msg.token))
@@ -112,11 +202,12 @@ class ClientServer:
             else:
                 self.failed += 1
                 why = "the master stopped"
-            send(identity, Finished(msg.token, "RequestAborted", why))
+            failure = FailureInfo("aborted", why, request_id or "(not started)")
+            send(identity, Finished(msg.token, "RequestAborted", why, failure))
             raise
         except PipelineError as exc:
             self.failed += 1
-            send(identity, Finished(msg.token, type(exc).__name__, str(exc)))
+            send(identity, Finished(msg.token, type(exc).__name__, str(exc), describe_failure(exc)))
             return
         except Exception as exc:  # a bug here must still answer the client, not strand it
             self.failed += 1

@@ -1,0 +1,605 @@
+"""A client of a remote master: ``async with Pipeline.connect("tcp://HOST:7600") as pipe``.
+
+:class:`RemotePipeline` offers the embedded pipeline's calls (``submit``, ``stream``,
+``abort``, ``statistics``) over one ZMQ DEALER socket to the control endpoint of a
+``stagewire master``, so code written against one works against the other:
+
+- On entering, it says ``Hello`` until the master answers ``Welcome`` (the pipeline's
+  sources, sinks and payload types by import path) or ``timeout`` passes. It imports the
+  payload types it can, and decodes outputs as those types; where it cannot (the stages'
+  code is not installed on this host) it decodes them untyped (plain dicts and lists;
+  tensors and arrays still decode) and says so once in a log line. Only the modules the
+  master names are imported, as a YAML file's ``impl`` would be: connect to masters you
+  trust.
+- Every request travels in the codec's wire form: the input and each output are the payload
+  codec's msgpack header with tensors and arrays as out-of-band buffers, all in one control
+  message. Nothing is pickled.
+- Many requests share the socket, told apart by a token per request; one reader dispatches
+  the master's answers to each request's queue, in order.
+- A request never waits forever on a master that has gone. When the connection drops (the
+  master stopped or restarted), every request in flight on it fails at once with
+  :class:`MasterUnavailable`, since its answers may have been lost with it. While requests
+  are in flight and the master is quiet, the client says ``Hello`` again, and a request
+  that has heard nothing for ``timeout`` fails the same way (a master that is unreachable,
+  or stuck). A request also fails with :class:`RequestTimeout` once past the pipeline's
+  ``request_timeout`` (which the master enforces first) plus ``timeout``.
+- Leaving a stream early, cancelling the task that reads it, :meth:`RemotePipeline.abort`
+  and closing the client all send ``Cancel``, which aborts the request in every stage.
+  Closing never stops the master or its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import warnings
+from types import TracebackType
+from typing import Any, Self, cast
+
+import msgspec
+import structlog
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from pipeline._api import SinkOutput
+from pipeline._codec import PayloadCodec, codec_for
+from pipeline._encoded import DECODE_ERRORS, Encoded, to_host
+from pipeline._errors import (
+    ConfigError,
+    MasterUnavailable,
+    PayloadError,
+    PipelineError,
+    RequestAborted,
+    RequestTimeout,
+)
+from pipeline._logging import configure_logging
+from pipeline._messages import (
+    ENVELOPE_BYTES,
+    WIRE_CODEC,
+    Cancel,
+    ControlToClient,
+    Finished,
+    Hello,
+    Output,
+    Started,
+    Submit,
+    Welcome,
+    encode_message,
+)
+from pipeline._remote_stream import Call, RemoteResponseStream
+from pipeline._sockets import SocketReader, for_endpoint
+from pipeline._type_paths import import_type
+from pipeline._worker import MAX_CONTROL_MESSAGE
+
+__all__ = ("RemotePipeline", "RemoteResponseStream")
+
+log = structlog.get_logger("stagewire.remote")
+
+#: While connecting, a ``Hello`` is resent this often: the master may start after the
+#: client, and it answers only once its workers are ready.
+HELLO_INTERVAL_S = 0.25
+#: How much later a refusal must come again to be believed (see ``start``).
+REFUSAL_CHECK_S = 0.2
+#: With requests in flight, the client pings when it has heard nothing for this long (or a
+#: quarter of its ``timeout``, if shorter).
+PING_AFTER_S = 2.0
+#: How long closing waits for its ``Cancel`` messages to leave.
+CANCEL_LINGER_MS = 500
+
+_decode = msgspec.msgpack.Decoder(ControlToClient).decode
+
+
+def _client_socket(
+    ctx: zmq.Context[Any], endpoint: str, keys: str | os.PathLike[str] | None
+) -> zmq.Socket[Any]:
+    """A DEALER connected to a master's control ``endpoint``.
+
+    Raises:
+        ConfigError: ``keys`` was given (CURVE is not supported here yet), or ``endpoint``
+            is not a ZMQ endpoint.
+    """
+    if keys is not None:
+        raise ConfigError(
+            "CURVE keys are not supported yet by Pipeline.connect; connect without keys "
+            "to a master that runs without them"
+        )
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        # Requests and cancels queue while the master is unreachable and leave once it is
+        # back (or are dropped at close); they are never dropped for a full queue.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+        for_endpoint(sock, endpoint).connect(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise ConfigError(
+            f"cannot connect to {endpoint!r}: {exc.strerror}; give the master's control "
+            "endpoint, such as tcp://10.0.0.5:7600"
+        ) from exc
+    return sock
+
+
+def _codec(path: str, missing: dict[str, str]) -> tuple[Any, PayloadCodec[Any]]:
+    """The type named ``path`` and its codec; records in ``missing`` why not, untyped."""
+    tp, why = import_type(path)
+    if why:
+        missing[path] = why
+    try:
+        return tp, codec_for(tp)
+    except PayloadError as exc:
+        missing[path] = str(exc)
+        return Any, codec_for(Any)
+
+
+class RemotePipeline:
+    """A client of a pipeline served by a remote master (``stagewire master``).
+
+    Made by :meth:`Pipeline.connect`; use as ``async with``. Its calls are the embedded
+    :class:`Pipeline`'s, with the same results and the same exceptions.
+
+    Attributes:
+        endpoint: the master's control endpoint.
+        timeout: seconds to wait for the master's answer: on connecting, and whenever it
+            goes quiet while requests are in flight.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout: float = 10.0,
+        keys: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Check the arguments; connects nothing (``start`` or ``async with`` does).
+
+        Raises:
+            ConfigError: ``timeout`` is not positive.
+        """
+        if not timeout > 0:
+            raise ConfigError(f"timeout must be positive, not {timeout!r}")
+        self.endpoint = endpoint
+        self.timeout = float(timeout)
+        self._keys = keys
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._reader: SocketReader | None = None
+        #: Reports the connection to the master dropping (``EVENT_DISCONNECTED``).
+        self._monitor: zmq.Socket[Any] | None = None
+        self._monitor_reader: SocketReader | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._welcome: Welcome | None = None
+        #: When the master refused this client, and what it said, while connecting.
+        self._refusals: list[tuple[float, str]] = []
+        self._answered = asyncio.Event()
+        self._source_type: Any = Any
+        self._source_codec: PayloadCodec[Any] = codec_for(Any)
+        self._sink_codecs: dict[str, PayloadCodec[Any]] = {}
+        #: The master's payload types not importable here, by path.
+        self._untyped: list[str] = []
+        self._calls: dict[int, Call] = {}
+        self._by_id: dict[str, Call] = {}
+        self._tokens = itertools.count(1)
+        self._heard = 0.0
+        self._pinged = 0.0
+        #: Whether ZMQ holds a connection to the master now.
+        self._connected = False
+        #: The connection dropped and no Welcome has come since.
+        self._rejoining = False
+        self._closed = False
+        self.counts = dict.fromkeys(
+            ("submitted", "completed", "failed", "aborted", "garbage", "restarts"), 0
+        )
+
+    def __repr__(self) -> str:
+        name = self._welcome.pipeline if self._welcome else "?"
+        return f"<RemotePipeline {name!r} at {self.endpoint}>"
+
+    def __del__(self) -> None:
+        # getattr: __init__ may have raised before setting them.
+        if getattr(self, "_sock", None) is not None and not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed {self!r}: use 'async with'", ResourceWarning, stacklevel=1)
+
+    # ---- what the master serves --------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The pipeline's name."""
+        return self._welcomed().pipeline
+
+    @property
+    def sources(self) -> list[str]:
+        """The stages fed by the client."""
+        return list(self._welcomed().sources)
+
+    @property
+    def sinks(self) -> list[str]:
+        """The stages whose outputs come back."""
+        return list(self._welcomed().sinks)
+
+    def _welcomed(self) -> Welcome:
+        if self._welcome is None or self._closed:
+            raise RuntimeError(
+                "the remote pipeline is not connected: use 'async with Pipeline.connect(...)'"
+            )
+        return self._welcome
+
+    # ---- connecting ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and wait until the master answers.
+
+        Raises:
+            ConfigError: the endpoint is not a ZMQ endpoint, or ``keys`` was given.
+            MasterUnavailable: no answer within ``timeout``.
+            PipelineError: the master refuses clients (a batch ``stagewire run``).
+        """
+        if self._sock is not None or self._closed:
+            raise RuntimeError("a RemotePipeline connects once")
+        if not structlog.is_configured():
+            configure_logging()
+        loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
+        try:
+            self._sock = _client_socket(self._ctx, self.endpoint, self._keys)
+            self._reader = SocketReader(self._sock, self._on_frames, self._on_error)
+            self._reader.start()
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            )
+            self._monitor_reader = SocketReader(self._monitor, self._on_monitor, self._on_error)
+            self._monitor_reader.start()
+            deadline = loop.time() + self.timeout
+            while self._welcome is None:
+                left = deadline - loop.time()
+                refusals = self._refusals
+                # A refusal is believed once repeated a while later, or at the deadline: a
+                # ``stagewire master`` takes clients a moment after its workers are ready,
+                # and in that moment it answers as a batch run does.
+                if refusals and (refusals[-1][0] - refusals[0][0] >= REFUSAL_CHECK_S or left <= 0):
+                    raise PipelineError(
+                        f"the master at {self.endpoint} refuses clients: {refusals[-1][1]}"
+                    )
+                if left <= 0:
+                    raise MasterUnavailable(
+                        self.endpoint,
+                        f"no answer within {self.timeout:g}s; check that `stagewire master` "
+                        "runs there and its workers are all ready (it answers once they are), "
+                        "that this host can reach the address, and, with CURVE, the keys",
+                    )
+                if refusals:
+                    await asyncio.sleep(min(REFUSAL_CHECK_S, left))
+                self._answered.clear()
+                self._send(Hello())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, min(HELLO_INTERVAL_S, left))):
+                        await self._answered.wait()
+        except BaseException:
+            await self.aclose()
+            raise
+        self._watchdog = loop.create_task(self._watch())
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _adopt(self, welcome: Welcome) -> None:
+        """Take the master's description: on connecting, and again after it restarted."""
+        previous, self._welcome = self._welcome, welcome
+        self._rejoining = False
+        if previous is not None:
+            if previous.instance == welcome.instance:
+                return  # the answer to a ping
+            # Its requests in flight failed when the connection dropped (_on_monitor); the
+            # new master may run other code, so the types are looked up again.
+            self.counts["restarts"] += 1
+            log.warning("remote_master_restarted", endpoint=self.endpoint)
+        missing: dict[str, str] = {}
+        self._source_type, self._source_codec = _codec(welcome.source_type, missing)
+        self._sink_codecs = {
+            sink: _codec(welcome.sink_types.get(sink, ""), missing)[1] for sink in welcome.sinks
+        }
+        self._untyped = sorted(missing)
+        if missing:
+            log.warning(
+                "remote_types_untyped",
+                endpoint=self.endpoint,
+                pipeline=welcome.pipeline,
+                types=sorted(missing),
+                error=next(iter(missing.values())),
+                hint="outputs decode as plain dicts and lists (tensors and arrays still "
+                "decode); install the stages' code on this host for typed values",
+            )
+        self._answered.set()
+
+    # ---- the socket ----------------------------------------------------------------------
+
+    def _send(self, msg: Submit | Cancel | Hello) -> None:
+        sock = self._sock
+        if sock is None or self._closed:
+            raise RuntimeError("the remote pipeline is closed")
+        # No high-water mark: never blocks, never drops.
+        sock.send(encode_message(msg), zmq.NOBLOCK, copy=False)
+        if self._reader is not None:
+            self._reader.kick()  # the socket's descriptor is edge-triggered
+
+    def _on_error(self, exc: BaseException, frames: list[bytes]) -> None:
+        self.counts["garbage"] += 1
+        log.warning("remote_message_failed", endpoint=self.endpoint, error=repr(exc))
+
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        """The connection to the master dropped, or is back.
+
+        Dropped: every request in flight on it fails at once. Its answers may have been lost
+        with the connection (a restarted master never knew of it), so waiting on could hang.
+        What is sent from now on queues until ZMQ has connected again. Back: the client
+        says Hello until it is welcomed, to learn whether this is a new master (whose types
+        may differ).
+        """
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected = True
+            return
+        if event != zmq.EVENT_DISCONNECTED:
+            return
+        self._connected = False
+        self._rejoining = True
+        for call in list(self._calls.values()):
+            self._end(
+                call,
+                MasterUnavailable(
+                    self.endpoint,
+                    "the connection dropped while the request was in flight (the master "
+                    "stopped, restarted or became unreachable); submit it again once it serves",
+                    request_id=call.request_id,
+                ),
+            )
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self.counts["garbage"] += 1
+            return
+        try:
+            msg = _decode(frames[0])
+        except DECODE_ERRORS:
+            self.counts["garbage"] += 1
+            return
+        self._heard = asyncio.get_running_loop().time()
+        if isinstance(msg, Welcome):
+            self._adopt(msg)
+            return
+        if msg.token == 0:
+            if isinstance(msg, Finished) and self._welcome is None:
+                self._refusals.append((self._heard, msg.error or msg.kind))
+                self._answered.set()
+            return
+        call = self._calls.get(msg.token)
+        if call is None:
+            return  # given up here, its Cancel sent: what it still sent is not wanted
+        if isinstance(msg, Started):
+            call.request_id = msg.request_id
+            self._by_id[msg.request_id] = call
+        elif isinstance(msg, Finished):
+            self._forget(call)
+            self.counts["completed" if not msg.kind else "failed"] += 1
+        call.queue.put_nowait(msg)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _submit(self, value: Any) -> Call:
+        """Send ``value`` as a new request.
+
+        Raises:
+            PayloadError: it does not match the source's type, or is too large.
+            RuntimeError: the client is not connected.
+        """
+        welcome = self._welcomed()
+        if len(welcome.sources) != 1:
+            raise PayloadError(
+                f"this pipeline has several sources ({welcome.sources}); a remote master "
+                "serves pipelines with one"
+            )
+        tp = self._source_type
+        if tp is not Any and not isinstance(value, tp):
+            raise PayloadError(
+                f"input for stage {welcome.sources[0]!r} must be {tp.__name__}, "
+                f"got {type(value).__name__}"
+            )
+        encoded = to_host(self._source_codec.encode(value))
+        limit = MAX_CONTROL_MESSAGE - ENVELOPE_BYTES
+        if encoded.nbytes > limit:
+            raise PayloadError(
+                f"the input is {encoded.nbytes} bytes encoded, more than one message to a "
+                f"remote master carries ({limit}); pass large data by reference (a path or "
+                "URL) instead"
+            )
+        token = next(self._tokens)
+        now = asyncio.get_running_loop().time()
+        timeout = welcome.request_timeout
+        call = Call(token, now, now + timeout + self.timeout if timeout > 0 else None)
+        # msgspec writes any buffer (a memoryview of a tensor's memory) as bytes.
+        buffers = cast("list[bytearray]", list(encoded.buffers))
+        self._send(Submit(token, encoded.header, WIRE_CODEC, buffers))
+        self._calls[token] = call
+        self.counts["submitted"] += 1
+        return call
+
+    def _decode_output(self, msg: Output) -> Any:
+        """An output chunk's value, typed where the sink's type is known here.
+
+        Raises:
+            PayloadError: it does not decode as that type.
+        """
+        codec = self._sink_codecs.get(msg.stage) or codec_for(Any)
+        value = codec.decode(Encoded(msg.value, tuple(msg.buffers)))
+        if self._welcome is not None and len(self._welcome.sinks) > 1:
+            return SinkOutput(msg.stage, value)
+        return value
+
+    def _forget(self, call: Call) -> None:
+        self._calls.pop(call.token, None)
+        if call.request_id is not None:
+            self._by_id.pop(call.request_id, None)
+
+    def _end(self, call: Call, exc: PipelineError, *, outcome: str = "failed") -> None:
+        """End a request here with ``exc`` and stop it at the master (if it is there)."""
+        if self._calls.get(call.token) is not call:
+            return
+        self._forget(call)
+        self.counts[outcome] += 1
+        call.queue.put_nowait(exc)
+        if not self._closed:
+            self._send(Cancel(call.token))
+
+    def _give_up(self, call: Call, reason: str) -> None:
+        """The client left the request's stream before it ended: abort it everywhere."""
+        aborted = RequestAborted(call.request_id or "(not started)", reason)
+        self._end(call, aborted, outcome="aborted")
+
+    def stream(self, value: Any) -> RemoteResponseStream:
+        """Submit ``value`` and iterate over every sink chunk, in order."""
+        return RemoteResponseStream(self, value)
+
+    async def submit(self, value: Any) -> Any:
+        """Submit ``value`` and return the final sink output (a dict per sink if several).
+
+        Raises:
+            StageError: a stage raised for this request.
+            StageUnavailable: a replica bound to this request died, or a stage had no
+                ready replica for ``replica_wait``.
+            MasterUnavailable: the master stopped answering, or restarted.
+            ChunkGap: a chunk went missing past ``chunk_timeout``.
+            PayloadError: the input or a payload did not match its declared type, or the
+                input is too large for one message.
+            RequestTimeout: the request passed its deadline.
+            RequestAborted: the request was aborted, or the client closed.
+        """
+        sinks = self._welcomed().sinks
+        last: dict[str, Any] = {}
+        stream = self.stream(value)
+        try:
+            async for chunk in stream:
+                if isinstance(chunk, SinkOutput):
+                    last[chunk.stage] = chunk.value
+                else:
+                    last[sinks[0]] = chunk
+        finally:
+            await stream.aclose()
+        if len(sinks) == 1:
+            return last.get(sinks[0])
+        return last
+
+    async def abort(self, request_id: str, reason: str = "aborted by client") -> bool:
+        """Cancel a request in every stage; False if it had already ended (or is not ours).
+
+        Raises:
+            RuntimeError: the client is not connected.
+        """
+        self._welcomed()
+        call = self._by_id.get(request_id)
+        if call is None:
+            return False
+        self._end(call, RequestAborted(request_id, reason), outcome="aborted")
+        return True
+
+    async def statistics(self) -> dict[str, Any]:
+        """Counters of this client: requests by outcome, those in flight, garbage received;
+        and the master's payload types that decode untyped here.
+
+        Raises:
+            RuntimeError: the client is not connected.
+        """
+        welcome = self._welcomed()
+        return {
+            "endpoint": self.endpoint,
+            "pipeline": welcome.pipeline,
+            "client": {**self.counts, "active": len(self._calls)},
+            "untyped": list(self._untyped),
+        }
+
+    # ---- liveness ------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Ping a quiet master while requests wait on it, and fail them if it stays quiet;
+        greet a master connected again."""
+        loop = asyncio.get_running_loop()
+        ping_after = min(PING_AFTER_S, self.timeout / 4)
+        while True:
+            await asyncio.sleep(ping_after / 2)
+            if self._rejoining and self._connected:
+                self._send(Hello())  # unanswered while a new master waits for its workers
+            if not self._calls:
+                continue
+            now = loop.time()
+            if now - self._heard >= ping_after and now - self._pinged >= ping_after:
+                self._pinged = now
+                self._send(Hello())
+            for call in list(self._calls.values()):
+                quiet = now - max(self._heard, call.sent_at)
+                if quiet > self.timeout:
+                    self._end(
+                        call,
+                        MasterUnavailable(
+                            self.endpoint,
+                            f"no answer for {quiet:.3g}s while the request was in flight: "
+                            "the master stopped or cannot be reached",
+                            request_id=call.request_id,
+                        ),
+                    )
+                elif call.deadline is not None and now > call.deadline:
+                    assert self._welcome is not None
+                    self._end(
+                        call,
+                        RequestTimeout(
+                            call.request_id or f"#{call.token}", self._welcome.request_timeout
+                        ),
+                    )
+
+    # ---- closing -------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Abort the requests still in flight at the master, and disconnect; idempotent.
+
+        The master and its workers go on serving.
+
+        Raises:
+            Nothing.
+        """
+        if self._closed:
+            return
+        cancels = bool(self._calls) and self._sock is not None
+        for call in list(self._calls.values()):
+            self._end(
+                call,
+                RequestAborted(call.request_id or "(not started)", "the client closed"),
+                outcome="aborted",
+            )
+        self._closed = True
+        # Everything that frees a resource happens before the first await, so that closing
+        # cancelled midway still leaves no socket open.
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        for reader in (self._reader, self._monitor_reader):
+            if reader is not None:
+                reader.stop()
+        if self._sock is not None:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+            self._sock.close(linger=CANCEL_LINGER_MS if cancels else 0)
+        ctx, self._ctx = self._ctx, None
+        if self._watchdog is not None:
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        if ctx is not None:
+            # Terminating waits (at most the linger) for the cancels to leave: not here.
+            await asyncio.to_thread(ctx.term)

@@ -1,0 +1,535 @@
+"""``Pipeline.connect``: a client in this process of a real ``stagewire master`` process.
+
+Every master here is a real process serving on a loopback port, with its workers started as
+``stagewire worker`` processes, as on other hosts; each test stops what it started by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+import torch
+import zmq
+import zmq.asyncio
+
+from pipeline import (
+    ConfigError,
+    MasterUnavailable,
+    PayloadError,
+    Pipeline,
+    PipelineError,
+    RemotePipeline,
+    RequestAborted,
+    SinkOutput,
+    StageError,
+    StageUnavailable,
+)
+from pipeline._codec import codec_for
+from pipeline._messages import WIRE_CODEC, ControlToClient, Finished, Submit, encode_message
+from stages.text import Text, Token
+from tests.pipeline.conftest import wait_for
+from tests.pipeline.tensor_stages import FACTORS, Frame
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Two sinks: the words streamed back one by one (relay), and how many there were (count).
+WORDS = """\
+name: words
+stages:
+  tokens: {impl: "tests.pipeline.sample_stages:Tokens", max_concurrency: 64}
+  relay: {impl: "tests.pipeline.sample_stages:Relay", max_concurrency: 64}
+  count: {impl: "tests.pipeline.sample_stages:Count", max_concurrency: 64}
+edges:
+  - {from: tokens, to: relay}
+  - {from: tokens, to: count}
+"""
+
+#: One stage whose stream stalls on the word 'stall': a request that holds until aborted.
+STALL = """\
+name: stall
+stages:
+  tokens: {impl: "tests.pipeline.sample_stages:Tokens"}
+edges: []
+"""
+
+TENSORS = """\
+name: tensors
+stages:
+  scale: {impl: "tests.pipeline.tensor_stages:Scale"}
+edges: []
+"""
+
+#: A stage module only the master's host has: its output type cannot be imported here.
+HIDDEN_MODULE = """\
+import msgspec
+import torch
+
+from pipeline import Context, Stage
+from stages.text import Text
+
+
+class Grid(msgspec.Struct):
+    label: str
+    cells: torch.Tensor
+
+
+class Gridify(Stage):
+    async def process(self, text: Text, ctx: Context) -> Grid:
+        n = len(text.value)
+        return Grid(text.value, torch.arange(2 * n, dtype=torch.int16).reshape(n, 2))
+"""
+
+HIDDEN = """\
+name: hidden
+stages:
+  grid: {impl: "connect_hidden_stages:Gridify"}
+edges: []
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(*args: str, err: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``python -m pipeline ARGS`` in its own session, stderr to a file."""
+    with err.open("wb") as e:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=e,
+            cwd=ROOT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    """What a test started and left running: none may outlive it."""
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+async def _serve(
+    config: Path,
+    tmp: Path,
+    procs: list[subprocess.Popen[bytes]],
+    *,
+    endpoint: str | None = None,
+    env: dict[str, str] | None = None,
+) -> str:
+    """Start ``stagewire master`` on ``config`` and the workers it names, adding each
+    process to ``procs`` (for the caller to stop); returns its endpoint once it serves."""
+    endpoint = endpoint or f"tcp://127.0.0.1:{_free_port()}"
+    err = tmp / f"master-{len(procs)}.err"
+    procs.append(_start("master", str(config), "--bind", endpoint, err=err, env=env))
+
+    async def announced() -> bool:
+        return "stagewire worker --master" in err.read_text(errors="replace")
+
+    await wait_for(announced, timeout=30)
+    found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica \d+)",
+                       err.read_text())  # fmt: skip
+    for command, stage in found:
+        wlog = tmp / f"{stage}-{len(procs)}.err"
+        procs.append(_start("worker", *command.split(), "--headless", err=wlog, env=env))
+
+    async def serving() -> bool:
+        return "serving " in err.read_text(errors="replace")
+
+    await wait_for(serving, timeout=60)
+    return endpoint
+
+
+async def _summary(master: subprocess.Popen[bytes], err: Path) -> str:
+    """Stop a master with SIGTERM and return its line saying what it served."""
+    os.kill(master.pid, signal.SIGTERM)
+    code = await asyncio.to_thread(master.wait, 60)
+    text = await asyncio.to_thread(err.read_text)
+    found = re.search(r"^served .*$", text, re.MULTILINE)
+    assert code == 0 and found is not None, text
+    return found.group(0)
+
+
+@dataclass
+class Served:
+    config: Path
+    endpoint: str
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def words(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Served]:
+    """A ``stagewire master`` serving WORDS, with its three workers."""
+    tmp = tmp_path_factory.mktemp("words")
+    config = tmp / "words.yaml"
+    config.write_text(WORDS)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield Served(config, await _serve(config, tmp, procs))
+    finally:
+        _kill(procs)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def remote(words: Served) -> AsyncIterator[RemotePipeline]:
+    """One client connection to the WORDS master, shared by the tests."""
+    async with Pipeline.connect(words.endpoint) as pipe:
+        yield pipe
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def embedded(words: Served) -> AsyncIterator[Pipeline]:
+    """The same pipeline embedded in this process, to compare with."""
+    async with Pipeline.from_yaml(words.config) as pipe:
+        yield pipe
+
+
+def _sentence(i: int) -> str:
+    return " ".join(f"w{i}n{k}" for k in range(1 + i % 7))
+
+
+async def test_submit_and_stream_give_what_the_embedded_pipeline_gives(
+    remote: RemotePipeline, embedded: Pipeline
+) -> None:
+    """For the same inputs, a remote master's outputs equal the embedded pipeline's: the
+    final output of each sink as a dict, and every chunk as typed values."""
+    assert (remote.name, remote.sources, remote.sinks) == ("words", ["tokens"], ["relay", "count"])
+    for i in range(4):
+        text = Text(_sentence(i))
+        got = await remote.submit(text)
+        assert got == await embedded.submit(text)
+        n = len(text.value.split())
+        assert got == {"relay": Token(n - 1, f"w{i}n{n - 1}"), "count": Text(str(n))}
+        # Chunks of different sinks may interleave either way; each sink's come in order.
+        streamed = [chunk async for chunk in remote.stream(text)]
+        local = [chunk async for chunk in embedded.stream(text)]
+        for sink in ("relay", "count"):
+            assert [c.value for c in streamed if c.stage == sink] == [
+                c.value for c in local if c.stage == sink
+            ]
+
+
+async def test_stream_yields_each_chunk_in_order_with_the_masters_request_id(
+    remote: RemotePipeline,
+) -> None:
+    """``async with pipe.stream(x)`` knows the request's id at the master before the first
+    chunk, and every sink's chunks come in order."""
+    words = [f"t{k}" for k in range(40)]
+    async with remote.stream(Text(" ".join(words))) as stream:
+        assert stream.request_id is not None and re.fullmatch(r"[0-9a-f]+-\d+", stream.request_id)
+        chunks = [chunk async for chunk in stream]
+    assert all(isinstance(c, SinkOutput) for c in chunks)
+    relayed = [c.value for c in chunks if c.stage == "relay"]
+    assert relayed == [Token(k, w) for k, w in enumerate(words)]
+    assert [c.value for c in chunks if c.stage == "count"] == [Text("40")]
+
+
+async def test_fifty_concurrent_requests_over_one_connection_get_their_own_outputs(
+    remote: RemotePipeline,
+) -> None:
+    """Requests in flight together on one socket are told apart: each gets its own."""
+    before = (await remote.statistics())["client"]
+    texts = [_sentence(i) for i in range(50)]
+    results = await asyncio.gather(*(remote.submit(Text(t)) for t in texts))
+    for text, result in zip(texts, results, strict=True):
+        words = text.split()
+        assert result == {
+            "relay": Token(len(words) - 1, words[-1]),
+            "count": Text(str(len(words))),
+        }
+    after = (await remote.statistics())["client"]
+    assert after["completed"] - before["completed"] == 50
+    assert after["active"] == 0 and after["garbage"] == 0
+
+
+async def test_a_stage_error_fails_only_that_request_with_the_embedded_error(
+    remote: RemotePipeline, embedded: Pipeline
+) -> None:
+    """StageError, with the stage, the master's request id, message and traceback, fails
+    the request whose stage raised; the requests beside it and after it succeed."""
+    bad, good = await asyncio.gather(
+        remote.submit(Text("a boom c")), remote.submit(Text("a b c")), return_exceptions=True
+    )
+    with pytest.raises(StageError) as local:
+        await embedded.submit(Text("a boom c"))
+    assert isinstance(bad, StageError), bad
+    assert (bad.stage, bad.message) == (local.value.stage, local.value.message)
+    assert str(bad) == str(local.value).replace(local.value.request_id, bad.request_id)
+    assert re.fullmatch(r"[0-9a-f]+-\d+", bad.request_id)
+    assert bad.traceback.rstrip().endswith("RuntimeError: relay refused 'boom'")
+    assert good == {"relay": Token(2, "c"), "count": Text("3")}
+    assert (await remote.submit(Text("after")))["count"] == Text("1")
+
+
+async def test_a_wrong_typed_input_is_a_payload_error_for_that_request_only(
+    remote: RemotePipeline, embedded: Pipeline, words: Served
+) -> None:
+    """Refused by the client, as embedded, when it knows the source's type; refused by the
+    master, which decodes with that type, when the client sent it untyped."""
+    with pytest.raises(PayloadError) as info:
+        await remote.submit(Token(0, "not a Text"))
+    with pytest.raises(PayloadError) as local:
+        await embedded.submit(Token(0, "not a Text"))
+    assert str(info.value) == str(local.value)
+    # A client that could not import the source type sends what it has, untyped.
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(words.endpoint)
+        wrong = codec_for(Any).encode({"value": 7})
+        right = codec_for(Any).encode(Text("fine"))
+        for token, enc in ((1, wrong), (2, right)):
+            await sock.send(encode_message(Submit(token, enc.header, WIRE_CODEC)))
+        ended: dict[int, Finished] = {}
+        async with asyncio.timeout(30):
+            while len(ended) < 2:
+                msg = msgspec.msgpack.decode(await sock.recv(), type=ControlToClient)
+                if isinstance(msg, Finished):
+                    ended[msg.token] = msg
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert ended[1].kind == "PayloadError" and "Expected `str`, got `int`" in ended[1].error
+    assert ended[2].kind == ""
+
+
+async def test_every_way_of_leaving_a_request_cancels_it_at_the_master(tmp_path: Path) -> None:
+    """A stream dropped after a ``break``, left from ``async with``, whose reading task is
+    cancelled, aborted by id, or open when the client closes: each request, stalled in its
+    stage, is cancelled at the master; the master and its worker serve on."""
+    config = tmp_path / "stall.yaml"
+    config.write_text(STALL)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        endpoint = await _serve(config, tmp_path, procs)
+        async with Pipeline.connect(endpoint) as pipe:
+            async for chunk in pipe.stream(Text("a stall")):
+                assert chunk == Token(0, "a")
+                break
+            async with pipe.stream(Text("b stall")) as stream:
+                async for chunk in stream:
+                    assert chunk == Token(0, "b")
+                    break
+            first = asyncio.Event()
+
+            async def read() -> None:
+                async for _ in pipe.stream(Text("c stall")):
+                    first.set()
+
+            reader = asyncio.ensure_future(read())
+            async with asyncio.timeout(30):
+                await first.wait()
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            async with pipe.stream(Text("d stall")) as stream:
+                assert stream.request_id is not None
+                assert await anext(stream) == Token(0, "d")
+                assert await pipe.abort(stream.request_id, "no longer wanted")
+                with pytest.raises(RequestAborted, match="no longer wanted"):
+                    await anext(stream)
+                assert not await pipe.abort(stream.request_id)
+            left_open = pipe.stream(Text("e stall"))
+            assert await anext(left_open) == Token(0, "e")
+        with pytest.raises(RequestAborted, match="the client closed"):
+            await anext(left_open)
+        # The master serves on (its worker too), and counts what its clients cancelled.
+        async with Pipeline.connect(endpoint) as pipe:
+            assert await pipe.submit(Text("still here")) == Token(1, "here")
+        summary = await _summary(procs[0], tmp_path / "master-0.err")
+        assert summary.startswith("served 1 requests (0 failed, 5 cancelled by their clients)")
+    finally:
+        _kill(procs)
+
+
+async def test_connecting_where_nothing_listens_fails_within_the_timeout() -> None:
+    """No master: MasterUnavailable after ``timeout``, one line naming the endpoint and what
+    to check; a bad endpoint or CURVE keys are a ConfigError at once."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(MasterUnavailable) as info:
+        async with Pipeline.connect(endpoint, timeout=1.0):
+            pass
+    assert 1.0 <= time.monotonic() - t0 < 3.0
+    message = str(info.value)
+    assert endpoint in message and "`stagewire master` runs there" in message
+    assert "\n" not in message and isinstance(info.value, StageUnavailable)
+    with pytest.raises(ConfigError, match="not-an-endpoint"):
+        async with Pipeline.connect("not-an-endpoint", timeout=1.0):
+            pass
+    with pytest.raises(ConfigError, match="CURVE keys are not supported yet"):
+        async with Pipeline.connect(endpoint, keys="keys/client.key"):
+            pass
+    with pytest.raises(ConfigError, match="timeout"):
+        Pipeline.connect(endpoint, timeout=0)
+
+
+async def test_a_batch_run_is_silent_while_starting_and_then_refuses_clients(
+    tmp_path: Path,
+) -> None:
+    """A ``stagewire run`` master does not answer while it waits for its workers (a
+    ``stagewire master`` could not be told from it yet), then refuses in one clear line."""
+    config = tmp_path / "stall.yaml"
+    config.write_text(STALL)
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    err = tmp_path / "run.err"
+    procs = [
+        _start("run", str(config), "--external-workers", "--bind", endpoint,
+               "--input", '{"value": "a stall"}', err=err)
+    ]  # fmt: skip
+    try:
+
+        async def announced() -> bool:
+            return "stagewire worker --master" in err.read_text(errors="replace")
+
+        await wait_for(announced, timeout=30)
+        with pytest.raises(MasterUnavailable, match="workers are all ready"):
+            async with Pipeline.connect(endpoint, timeout=0.5):
+                pass
+        procs.append(
+            _start("worker", "--master", endpoint, "--stage", "tokens", "--headless",
+                   err=tmp_path / "worker.err")
+        )  # fmt: skip
+        refusal: list[PipelineError] = []
+
+        async def refused() -> bool:
+            try:
+                async with Pipeline.connect(endpoint, timeout=0.5):
+                    pass
+            except MasterUnavailable:
+                return False  # still starting
+            except PipelineError as exc:
+                refusal.append(exc)
+                return True
+            raise AssertionError("a batch run took a client")
+
+        await wait_for(refused, timeout=60)
+        assert str(refusal[0]).startswith(f"the master at {endpoint} refuses clients: ")
+        assert "takes no submissions" in str(refusal[0])
+    finally:
+        _kill(procs)
+
+
+async def test_a_tensor_payload_round_trips_typed(tmp_path: Path) -> None:
+    """A Struct holding a tensor goes in and comes back as that Struct, its tensors with
+    their dtype (bfloat16 included), shape and values."""
+    config = tmp_path / "tensors.yaml"
+    config.write_text(TENSORS)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        endpoint = await _serve(config, tmp_path, procs)
+        async with Pipeline.connect(endpoint) as pipe:
+            for dtype in (torch.float32, torch.bfloat16, torch.int64):
+                pixels = torch.arange(24, dtype=dtype).reshape(2, 3, 4)
+                chunks = [c async for c in pipe.stream(Frame("f", pixels))]
+                assert [c.name for c in chunks] == [f"f*{k}" for k in FACTORS]
+                for k, chunk in zip(FACTORS, chunks, strict=True):
+                    assert isinstance(chunk, Frame)
+                    assert chunk.pixels.dtype == dtype and chunk.pixels.shape == (2, 3, 4)
+                    assert torch.equal(chunk.pixels, pixels * k)
+            last = await pipe.submit(Frame("g", torch.ones(5, dtype=torch.uint8)))
+            assert torch.equal(last.pixels, torch.full((5,), FACTORS[-1], dtype=torch.uint8))
+            # Larger than one control message: a clear error, and nothing sent.
+            with pytest.raises(PayloadError, match="by reference"):
+                await pipe.submit(Frame("big", torch.zeros(64 * 1024 * 1024, dtype=torch.uint8)))
+            assert (await pipe.statistics())["client"]["submitted"] == 4
+            # An output too large for one: that request fails, clearly; the next is served.
+            with pytest.raises(PayloadError, match="more than a remote client can be sent"):
+                await pipe.submit(Frame("grow", torch.ones(40 * 1024 * 1024, dtype=torch.uint8)))
+            assert (await pipe.submit(Frame("h", torch.ones(2)))).name == f"h*{FACTORS[-1]}"
+    finally:
+        _kill(procs)
+
+
+async def test_outputs_whose_type_this_host_lacks_decode_untyped(tmp_path: Path) -> None:
+    """A sink type the client cannot import (the stage's code is only on the master's
+    host): outputs come as plain dicts, their tensors still decoded, and the client says so."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "connect_hidden_stages.py").write_text(HIDDEN_MODULE)
+    config = tmp_path / "hidden.yaml"
+    config.write_text(HIDDEN)
+    env = {"PYTHONPATH": os.pathsep.join([str(extra), str(ROOT)])}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        endpoint = await _serve(config, tmp_path, procs, env=env)
+        with pytest.raises(ImportError):
+            __import__("connect_hidden_stages")
+        async with Pipeline.connect(endpoint) as pipe:
+            out = await pipe.submit(Text("abc"))
+            assert isinstance(out, dict) and out["label"] == "abc"
+            cells = out["cells"]
+            assert isinstance(cells, torch.Tensor) and cells.dtype == torch.int16
+            assert torch.equal(cells, torch.arange(6, dtype=torch.int16).reshape(3, 2))
+            assert (await pipe.statistics())["untyped"] == ["connect_hidden_stages:Grid"]
+    finally:
+        _kill(procs)
+
+
+async def test_a_master_that_freezes_dies_or_restarts_fails_requests_in_flight(
+    tmp_path: Path,
+) -> None:
+    """A request in flight on a master that stops answering (SIGSTOP) fails with
+    MasterUnavailable after the client's timeout, on one that dies (SIGKILL) at once; a
+    restarted master at the same address serves the same client again."""
+    config = tmp_path / "stall.yaml"
+    config.write_text(STALL)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        endpoint = await _serve(config, tmp_path, procs)
+        master = procs[0]
+        async with Pipeline.connect(endpoint, timeout=1.5) as pipe:
+            stream = pipe.stream(Text("a stall"))
+            assert await anext(stream) == Token(0, "a")
+            os.kill(master.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(MasterUnavailable, match="no answer for"):
+                    await anext(stream)
+                assert 1.5 <= time.monotonic() - t0 < 4.0
+            finally:
+                os.kill(master.pid, signal.SIGCONT)
+            assert await pipe.submit(Text("thawed out")) == Token(1, "out")
+
+            stream = pipe.stream(Text("b stall"))
+            assert await anext(stream) == Token(0, "b")
+            os.kill(master.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(MasterUnavailable, match="connection dropped"):
+                await anext(stream)
+            assert time.monotonic() - t0 < 1.5
+            for p in procs:  # its worker, which would wait for it a while
+                p.kill()
+                p.wait()
+
+            await _serve(config, tmp_path, procs, endpoint=endpoint)
+            assert await pipe.submit(Text("born again")) == Token(1, "again")
+
+            # The client greets the master that came back, and learns it is a new one.
+            async def greeted() -> bool:
+                return bool((await pipe.statistics())["client"]["restarts"])
+
+            await wait_for(greeted, timeout=10)
+    finally:
+        _kill(procs)
