@@ -186,10 +186,12 @@ class Pipeline:
             endpoint: the master's control endpoint, such as ``tcp://10.0.0.5:7600``.
             timeout: seconds to wait for the master's answer, on connecting and whenever it
                 goes quiet while requests are in flight.
-            keys: a CURVE key pair (not supported yet: giving one is a ConfigError).
+            keys: the directory of the pipeline's CURVE key pair (``stagewire keys``), for a
+                master that runs with one; default: ``STAGEWIRE_KEYS``, if set. A master
+                that refuses the handshake fails ``start`` at once with MasterUnavailable.
 
         Raises:
-            ConfigError: ``timeout`` is not positive.
+            ConfigError: ``timeout`` is not positive, or ``keys`` names no valid key pair.
         """
         # Imported here: the remote client builds on this module (SinkOutput).
         from pipeline._remote import RemotePipeline

@@ -69,7 +69,8 @@ from pipeline._messages import (
     encode_message,
 )
 from pipeline._remote_stream import Call, RemoteResponseStream
-from pipeline._sockets import SocketReader, for_endpoint
+from pipeline._security import HANDSHAKE_FAILED, CurveKeys, resolve_keys, secure_client
+from pipeline._sockets import HandshakeJudge, SocketReader, for_endpoint
 from pipeline._type_paths import import_type
 from pipeline._worker import MAX_CONTROL_MESSAGE
 
@@ -91,21 +92,13 @@ CANCEL_LINGER_MS = 500
 _decode = msgspec.msgpack.Decoder(ControlToClient).decode
 
 
-def _client_socket(
-    ctx: zmq.Context[Any], endpoint: str, keys: str | os.PathLike[str] | None
-) -> zmq.Socket[Any]:
-    """A DEALER connected to a master's control ``endpoint``.
+def _client_socket(ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys | None) -> zmq.Socket[Any]:
+    """A DEALER connected to a master's control ``endpoint``, presenting ``keys`` if any.
 
     Raises:
-        ConfigError: ``keys`` was given (CURVE is not supported here yet), or ``endpoint``
-            is not a ZMQ endpoint.
+        ConfigError: ``endpoint`` is not a ZMQ endpoint.
     """
-    if keys is not None:
-        raise ConfigError(
-            "CURVE keys are not supported yet by Pipeline.connect; connect without keys "
-            "to a master that runs without them"
-        )
-    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = secure_client(ctx.socket(zmq.DEALER), keys)
     try:
         sock.setsockopt(zmq.LINGER, 0)
         # Requests and cancels queue while the master is unreachable and leave once it is
@@ -156,13 +149,17 @@ class RemotePipeline:
         """Check the arguments; connects nothing (``start`` or ``async with`` does).
 
         Raises:
-            ConfigError: ``timeout`` is not positive.
+            ConfigError: ``timeout`` is not positive, or ``keys`` (or ``STAGEWIRE_KEYS``)
+                names no valid key pair.
         """
         if not timeout > 0:
             raise ConfigError(f"timeout must be positive, not {timeout!r}")
         self.endpoint = endpoint
         self.timeout = float(timeout)
-        self._keys = keys
+        self._keys = resolve_keys(keys)
+        self._handshake = HandshakeJudge(endpoint, self._keys)
+        #: Why the master refused this client's handshake (its CURVE keys), once it has.
+        self._refused_handshake = ""
         self._ctx: zmq.Context[Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
         self._reader: SocketReader | None = None
@@ -232,8 +229,9 @@ class RemotePipeline:
         """Connect and wait until the master answers.
 
         Raises:
-            ConfigError: the endpoint is not a ZMQ endpoint, or ``keys`` was given.
-            MasterUnavailable: no answer within ``timeout``.
+            ConfigError: the endpoint is not a ZMQ endpoint.
+            MasterUnavailable: no answer within ``timeout``, or the master refused the
+                handshake (its CURVE keys differ from this client's).
             PipelineError: the master refuses clients (a batch ``stagewire run``).
         """
         if self._sock is not None or self._closed:
@@ -247,7 +245,7 @@ class RemotePipeline:
             self._reader = SocketReader(self._sock, self._on_frames, self._on_error)
             self._reader.start()
             self._monitor = self._sock.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
             )
             self._monitor_reader = SocketReader(self._monitor, self._on_monitor, self._on_error)
             self._monitor_reader.start()
@@ -262,6 +260,8 @@ class RemotePipeline:
                     raise PipelineError(
                         f"the master at {self.endpoint} refuses clients: {refusals[-1][1]}"
                     )
+                if self._refused_handshake:
+                    raise MasterUnavailable(self.endpoint, self._refused_handshake)
                 if left <= 0:
                     raise MasterUnavailable(
                         self.endpoint,
@@ -349,6 +349,12 @@ class RemotePipeline:
         event = parse_monitor_message(frames)["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._connected = True
+            return
+        refused = self._handshake.refusal(event)
+        if refused is not None and not self._refused_handshake:
+            self._refused_handshake = refused
+            log.error("refused_by_master", endpoint=self.endpoint, reason=refused)
+            self._answered.set()  # a connecting start() says so at once
             return
         if event != zmq.EVENT_DISCONNECTED:
             return

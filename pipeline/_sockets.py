@@ -25,6 +25,7 @@ from pipeline._messages import encode_batch
 from pipeline._security import HANDSHAKE_FAILED, CurveKeys, handshake_failure, secure_client
 
 __all__ = (
+    "HandshakeJudge",
     "HandshakeWatch",
     "Outbox",
     "Sealable",
@@ -152,17 +153,39 @@ class SocketReader:
                 self._loop.remove_reader(self._fd())
 
 
-class HandshakeWatch:
-    """Tells ``on_refused`` once, with a one-line reason, if the peer a connecting socket
-    reaches refuses its handshake (CURVE keys that do not match, or none on one side).
+class HandshakeJudge:
+    """Reads a connecting socket's handshake events (:data:`HANDSHAKE_FAILED`) and says
+    when they amount to a refusal: CURVE keys that do not match, or none on one side.
 
-    Without it such a socket retries in silence and its messages wait forever. The watch
-    ends at the first handshake that succeeds, or at :meth:`stop`. A refusal without
-    detail (what a wrong server key gives, but also a peer going away mid-handshake) counts
-    only once it repeats.
+    A refusal without detail (what a wrong server key gives, but also a peer going away
+    mid-handshake) counts only once it repeats.
     """
 
     _VAGUE_LIMIT = 3
+
+    def __init__(self, endpoint: str, keys: CurveKeys | None) -> None:
+        self._endpoint = endpoint
+        self._keys = keys
+        self._vague = 0
+
+    def refusal(self, event: int) -> str | None:
+        """A one-line reason once ``event`` (with those before it) means refused, else None."""
+        if not event & HANDSHAKE_FAILED:
+            return None
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self._vague += 1
+            if self._vague < self._VAGUE_LIMIT:
+                return None
+        return handshake_failure(event, self._endpoint, self._keys)
+
+
+class HandshakeWatch:
+    """Tells ``on_refused`` once, with a one-line reason, if the peer a connecting socket
+    reaches refuses its handshake (see :class:`HandshakeJudge`).
+
+    Without it such a socket retries in silence and its messages wait forever. The watch
+    ends at the first handshake that succeeds, or at :meth:`stop`.
+    """
 
     def __init__(
         self,
@@ -172,10 +195,8 @@ class HandshakeWatch:
         on_refused: Callable[[str], None],
     ) -> None:
         self._sock = sock
-        self._endpoint = endpoint
-        self._keys = keys
+        self._judge = HandshakeJudge(endpoint, keys)
         self._on_refused = on_refused
-        self._vague = 0
         # Read by a plain socket over the same context, even when ``sock`` is a
         # ``zmq.asyncio`` one (whose receives would return futures).
         address = f"inproc://stagewire-handshake-{id(self):x}"
@@ -195,12 +216,10 @@ class HandshakeWatch:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.stop()
             return
-        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            self._vague += 1
-            if self._vague < self._VAGUE_LIMIT:
-                return
-        self.stop()
-        self._on_refused(handshake_failure(event, self._endpoint, self._keys))
+        reason = self._judge.refusal(event)
+        if reason is not None:
+            self.stop()
+            self._on_refused(reason)
 
     def stop(self) -> None:
         """Stop watching; idempotent."""

@@ -15,13 +15,14 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 
-from pipeline import ConfigError, Pipeline
+from pipeline import ConfigError, MasterUnavailable, Pipeline
 from pipeline._encoded import Encoded
 from pipeline._errors import TransportError
 from pipeline._keys import ChunkKey
@@ -220,9 +221,10 @@ async def test_workers_without_the_pair_are_refused_at_once(keys: Path, tmp_path
         await pipe.aclose()
 
 
-async def test_submit_needs_the_pair(keys: Path, tmp_path: Path) -> None:
-    """``stagewire master --keys`` serves ``submit --keys`` with the same pair; a submit
-    without it, or with another, exits 3 at once naming the cause."""
+async def test_submit_and_connect_need_the_pair(keys: Path, tmp_path: Path) -> None:
+    """``stagewire master --keys`` serves ``submit --keys`` and ``Pipeline.connect(keys=)``
+    with the same pair; a submit without it, or with another, exits 3 at once naming the
+    cause, and a connect fails at once with MasterUnavailable saying so."""
     other = _keys(tmp_path / "other")
     err = tmp_path / "master.err"
     with socket.socket() as s:
@@ -250,6 +252,15 @@ async def test_submit_needs_the_pair(keys: Path, tmp_path: Path) -> None:
             )  # fmt: skip
             assert done.returncode == 3, done.stderr
             assert "refused the connection" in done.stderr and "--keys DIR" in done.stderr
+
+        async with Pipeline.connect(endpoint, keys=keys) as remote:
+            assert (await remote.submit(Text("c d"))) == Text("C D")
+        for given in (None, other):
+            t0 = time.monotonic()
+            with pytest.raises(MasterUnavailable, match="refused the connection"):
+                async with Pipeline.connect(endpoint, keys=given, timeout=30):
+                    pass
+            assert time.monotonic() - t0 < 10
     finally:
         for p in procs:
             if p.poll() is None:
