@@ -41,7 +41,14 @@ from pipeline import _collector
 from pipeline._api import Pipeline
 from pipeline._errors import ConfigError, PayloadError, PipelineError, StageError
 from pipeline._logging import configure_logging
-from pipeline._messages import Cancel, ControlToClient, Output, Submit, encode_message
+from pipeline._messages import (
+    Cancel,
+    ControlToClient,
+    Finished,
+    Output,
+    Submit,
+    encode_message,
+)
 from pipeline._report import render_tables
 from pipeline._security import (
     KEYS_ENV,
@@ -328,7 +335,8 @@ async def _master(args: argparse.Namespace, console: Console) -> int:
         await pipe.aclose()
     console.print(
         f"served {server.served} requests ({server.failed} failed, {server.cancelled} "
-        "cancelled by their clients); workers shut down"
+        f"cancelled by their clients, {server.abandoned} whose clients went away); "
+        "workers shut down"
     )
     return 0
 
@@ -388,8 +396,8 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
                     msg = _client_decoder.decode(receiving.result())
                 except msgspec.DecodeError:
                     continue  # not for us; the master never sends anything else
-                if msg.token != token:
-                    continue
+                if not isinstance(msg, Output | Finished) or msg.token != token:
+                    continue  # the master checking on us (Alive), or not ours
                 if isinstance(msg, Output):
                     sys.stdout.write(msg.value.decode() + "\n")
                     sys.stdout.flush()

@@ -130,7 +130,9 @@ class Master:
         self.router = secure_server(self.zctx.socket(zmq.ROUTER), keys)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # A send to a peer no longer connected fails instead of vanishing: that is how the
+        # client server learns that a remote client went away (its requests are cancelled).
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # No high-water mark: at the default of 1000 queued messages a peer's next ones are
         # dropped without a word, and a remote client's outputs (``stagewire submit``) are
         # data that must not be. A peer that goes away takes its queue with it.
@@ -205,16 +207,18 @@ class Master:
 
     # ---- sending -------------------------------------------------------------------------
 
-    def _send(self, identity: bytes, msg: Any) -> None:
+    def _send(self, identity: bytes, msg: Any) -> bool:
+        """Send on the control socket; False if the peer is not connected (any more)."""
         try:
             self.router.send_multipart([identity, _encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError:
-            return  # the peer vanished; heartbeats will notice
+            return False  # the peer vanished; heartbeats (or the client server) notice
         self._control_reader.kick()
+        return True
 
-    def send_client(self, identity: bytes, msg: ControlToClient) -> None:
-        """Answer a remote client on the control socket (dropped if it has gone)."""
-        self._send(identity, msg)
+    def send_client(self, identity: bytes, msg: ControlToClient) -> bool:
+        """Answer a remote client on the control socket; False if it is gone (dropped)."""
+        return self._send(identity, msg)
 
     def send_to(self, stage: str, replica: int, msg: Any) -> None:
         """Send a message to one replica, if it is registered and alive.

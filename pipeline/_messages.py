@@ -19,6 +19,7 @@ __all__ = (
     "WIRE_JSON",
     "Abort",
     "Admit",
+    "Alive",
     "Assignment",
     "Cancel",
     "Chunks",
@@ -393,7 +394,12 @@ class Finished(_Msg, frozen=True, tag="finished"):
     failure: FailureInfo | None = None
 
 
-ControlToClient = Welcome | Started | Output | Finished
+class Alive(_Msg, frozen=True, tag="alive"):
+    """The master checks that a client with requests in flight is still connected (a send
+    to one that went away fails at once); for the client, a sign the master is there."""
+
+
+ControlToClient = Welcome | Started | Output | Finished | Alive
 
 
 # ---- what a data socket accepts -----------------------------------------------------------

@@ -58,6 +58,7 @@ from pipeline._logging import configure_logging
 from pipeline._messages import (
     ENVELOPE_BYTES,
     WIRE_CODEC,
+    Alive,
     Cancel,
     ControlToClient,
     Finished,
@@ -384,6 +385,8 @@ class RemotePipeline:
         if isinstance(msg, Welcome):
             self._adopt(msg)
             return
+        if isinstance(msg, Alive):
+            return  # the master checking on us: being heard from is all it says
         if msg.token == 0:
             if isinstance(msg, Finished) and self._welcome is None:
                 self._refusals.append((self._heard, msg.error or msg.kind))

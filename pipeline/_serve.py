@@ -39,6 +39,7 @@ from pipeline._messages import (
     ENVELOPE_BYTES,
     WIRE_CODEC,
     WIRE_JSON,
+    Alive,
     Cancel,
     Finished,
     FromClient,
@@ -51,7 +52,10 @@ from pipeline._messages import (
 from pipeline._type_paths import type_path
 from pipeline._worker import MAX_CONTROL_MESSAGE
 
-__all__ = ("ClientServer", "to_json")
+__all__ = ("CLIENT_CHECK_S", "ClientServer", "to_json")
+
+#: How often the master checks that the clients with requests in flight are still there.
+CLIENT_CHECK_S = 2.0
 
 log = structlog.get_logger("stagewire.serve")
 
@@ -78,6 +82,9 @@ class ClientServer:
         failed: requests that failed (bad input included), or were cancelled as the
             master stopped.
         cancelled: requests their clients cancelled.
+        abandoned: requests cancelled because their client went away without a word
+            (killed, or its connection lost): noticed at the next output sent to it, or
+            within :data:`CLIENT_CHECK_S` by an :class:`Alive` that cannot be delivered.
     """
 
     def __init__(self, pipe: Pipeline) -> None:
@@ -107,13 +114,38 @@ class ClientServer:
         self._tasks: dict[tuple[bytes, int], asyncio.Task[None]] = {}
         #: Requests whose client sent Cancel (a task's own cancellation says not who).
         self._by_client: set[tuple[bytes, int]] = set()
+        #: Requests whose client is no longer connected.
+        self._gone: set[tuple[bytes, int]] = set()
+        self._checker: asyncio.Task[None] | None = None
         self.served = 0
         self.failed = 0
         self.cancelled = 0
+        self.abandoned = 0
 
     def install(self) -> None:
         """Take the master's client messages from now on."""
         self._master.on_client = self._on_client
+        self._checker = asyncio.get_running_loop().create_task(self._check_clients())
+
+    async def _check_clients(self) -> None:
+        """Every :data:`CLIENT_CHECK_S`, find the clients with requests in flight that went
+        away: a request that sends nothing for a while (a stalled stage, a long prefill)
+        would otherwise run on for a client nobody is."""
+        while True:
+            await asyncio.sleep(CLIENT_CHECK_S)
+            for identity in {identity for identity, _ in self._tasks}:
+                if not self._master.send_client(identity, Alive()):
+                    self._client_gone(identity)
+
+    def _client_gone(self, identity: bytes) -> None:
+        """Cancel every request of a client that is no longer connected."""
+        keys = [key for key in self._tasks if key[0] == identity and key not in self._gone]
+        if not keys:
+            return
+        log.warning("client_gone", requests=len(keys), identity=identity.hex())
+        for key in keys:
+            self._gone.add(key)
+            self._tasks[key].cancel()
 
     def _on_client(self, identity: bytes, msg: FromClient) -> None:
         if isinstance(msg, Hello):
@@ -130,7 +162,12 @@ class ClientServer:
             return  # a resend of a request already running
         task = asyncio.get_running_loop().create_task(self._serve(identity, msg))
         self._tasks[key] = task
-        task.add_done_callback(lambda _: self._tasks.pop(key, None))
+        task.add_done_callback(lambda _: self._forget(key))
+
+    def _forget(self, key: tuple[bytes, int]) -> None:
+        self._tasks.pop(key, None)
+        self._gone.discard(key)
+        self._by_client.discard(key)
 
     def _input(self, msg: Submit) -> Any:
         """The request's input, decoded as the source stage's type.
@@ -181,8 +218,13 @@ class ClientServer:
         return Output(token, sink, header, buffers)
 
     async def _serve(self, identity: bytes, msg: Submit) -> None:
-        send = self._master.send_client
         request_id = ""
+
+        def send(identity: bytes, answer: Output | Started | Finished) -> None:
+            delivered = self._master.send_client(identity, answer)
+            if not delivered and not isinstance(answer, Finished):
+                self._client_gone(identity)
+
         try:
             value = self._input(msg)
             async with self._pipe.stream(value) as stream:
@@ -195,6 +237,10 @@ class ClientServer:
                     else:
                         send(identity, self._output(msg.token, self._sinks[0], chunk, msg.wire))
         except asyncio.CancelledError:
+            if (identity, msg.token) in self._gone:
+                self._gone.discard((identity, msg.token))
+                self.abandoned += 1
+                raise  # nobody to tell
             if (identity, msg.token) in self._by_client:
                 self._by_client.discard((identity, msg.token))
                 self.cancelled += 1
@@ -225,6 +271,9 @@ class ClientServer:
             Nothing.
         """
         self._master.on_client = None
+        if self._checker is not None:
+            self._checker.cancel()
+            await asyncio.gather(self._checker, return_exceptions=True)
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()

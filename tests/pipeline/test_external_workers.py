@@ -324,6 +324,16 @@ async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_w
         stalled.send_signal(signal.SIGINT)
         assert await asyncio.to_thread(stalled.wait, 30) == 130
         stalled.stdout.close()
+        # A client killed while its request stalls sends no Cancel: the master finds it
+        # gone (an Alive it cannot deliver) and cancels its request within seconds.
+        killed = _submitting(master, '{"value": "b stall"}')
+        procs.append(killed)
+        assert killed.stdout is not None
+        assert (await asyncio.to_thread(killed.stdout.readline)).strip() == b'[0,"b"]'
+        killed.kill()
+        await asyncio.to_thread(killed.wait, 30)
+        killed.stdout.close()
+        await wait_for(lambda: "client_gone" in (tmp_path / "master.err").read_text(), 20)
         # And the master is still serving.
         assert _submit(master, '{"value": "after"}').stdout.split() == ['[0,"after"]']
         os.kill(procs[0].pid, signal.SIGTERM)
@@ -331,7 +341,10 @@ async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_w
         for p in workers:
             assert await asyncio.to_thread(p.wait, 30) == 0
         summary = (tmp_path / "master.err").read_text()
-        assert "served 5 requests (2 failed, 1 cancelled by their clients)" in summary, summary
+        assert (
+            "served 5 requests (2 failed, 1 cancelled by their clients, 1 whose clients went "
+            "away)" in summary
+        ), summary
     finally:
         _kill(procs)
 
