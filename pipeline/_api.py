@@ -159,6 +159,9 @@ class Pipeline:
         self.plan: PipelinePlan = build_plan(self.spec, source=source, document=_document)
         self._master: Master | None = None
         self._launcher: LocalLauncher | None = None
+        #: Whether remote clients will be served (``stagewire master``): until then their
+        #: messages wait unanswered instead of being refused.
+        self._serves_clients = False
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> Pipeline:
@@ -243,7 +246,7 @@ class Pipeline:
         if not structlog.is_configured():
             configure_logging()
         keys = resolve_keys(self.spec.master.keys)
-        self._master = Master(self.plan, keys=keys)
+        self._master = Master(self.plan, keys=keys, serves_clients=self._serves_clients)
         try:
             await self._master.start()
         except BaseException:

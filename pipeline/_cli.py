@@ -313,6 +313,7 @@ async def _master(args: argparse.Namespace, console: Console) -> int:
             f"'master' serves pipelines with one source stage; this one has {pipe.plan.sources}",
             EXIT_CONFIG,
         )
+    pipe._serves_clients = True
     await _start(pipe, args, console)
     _collector.settle()
     server = ClientServer(pipe)

@@ -13,6 +13,9 @@ opened or breaks falls back to ZMQ, and the receiver treats both alike: every fr
 of envelopes, and keys and credits do not depend on the order in which batches arrive.
 
 On the wire a frame is its length (4 bytes, big-endian) followed by its bytes.
+
+An abstract socket has no file, so no file permission guards it: the listener checks each
+connecting process's credentials (``SO_PEERCRED``) and accepts only this user's and root's.
 """
 
 from __future__ import annotations
@@ -253,6 +256,16 @@ class _Inbound:
         self.sock.close()
 
 
+_UCRED = struct.Struct("3i")
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    _pid, uid, _gid = _UCRED.unpack(creds)
+    return int(uid)
+
+
 class LocalListener:
     """Accepts same-host links and hands every frame received on them to a callback.
 
@@ -286,6 +299,8 @@ class LocalListener:
         self.garbage_count = 0
         #: Frames received, over every link.
         self.frames = 0
+        #: Connections refused: from a process of another user.
+        self.refused = 0
 
     def start(self, on_message: Callable[[list[bytes]], None]) -> None:
         """Accept links and hand every frame read on them to ``on_message``.
@@ -308,6 +323,15 @@ class LocalListener:
             except OSError as exc:
                 log.warning("local_accept_failed", error=repr(exc))
                 return
+            # The socket's name is in the abstract namespace, which file permissions do not
+            # guard: any local user could connect. Only this user's processes (or root's)
+            # may send here.
+            uid = _peer_uid(conn)
+            if uid not in (os.geteuid(), 0):
+                self.refused += 1
+                log.warning("local_peer_refused", uid=uid, refused=self.refused)
+                conn.close()
+                continue
             conn.setblocking(False)
             inbound = _Inbound(conn, self)
             self._inbound[conn.fileno()] = inbound

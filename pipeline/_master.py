@@ -37,7 +37,6 @@ from pipeline._messages import (
     Finished,
     FromClient,
     Heartbeat,
-    Hello,
     Peer,
     Peers,
     PeerTable,
@@ -47,7 +46,6 @@ from pipeline._messages import (
     Shutdown,
     StatsReply,
     StatsRequest,
-    Submit,
 )
 from pipeline._messages import (
     encode_message as _encode,
@@ -116,7 +114,12 @@ class Master:
     """The control plane of one pipeline, with its orchestrator."""
 
     def __init__(
-        self, plan: PipelinePlan, *, bind: str | None = None, keys: CurveKeys | None = None
+        self,
+        plan: PipelinePlan,
+        *,
+        bind: str | None = None,
+        keys: CurveKeys | None = None,
+        serves_clients: bool = False,
     ) -> None:
         self.plan = plan
         #: The pipeline's CURVE pair: every socket here authenticates and encrypts with it.
@@ -158,8 +161,10 @@ class Master:
         self._readers: list[SocketReader] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.orchestrator: Orchestrator | None = None
-        #: Handles remote clients' messages (``stagewire master``); None refuses them.
+        #: Handles remote clients' messages (``stagewire master``); None refuses them,
+        #: unless ``serves_clients``: then they wait for it (unanswered; clients ask again).
         self.on_client: Callable[[bytes, FromClient], None] | None = None
+        self.serves_clients = serves_clients
         self._closed = False
 
     @property
@@ -267,12 +272,9 @@ class Master:
         if isinstance(msg, FromClient):
             if self.on_client is not None:
                 self.on_client(identity, msg)
-            elif isinstance(msg, Submit) or (
-                isinstance(msg, Hello) and self.startup.ready.is_set()
-            ):
-                # A Hello goes unanswered during start-up: ``stagewire master`` takes
-                # clients only once its workers are ready, and until then cannot be told
-                # from a batch run; the client keeps asking until its timeout.
+            elif not self.serves_clients:
+                # A master that will serve clients answers nothing until it does (its
+                # workers not all ready yet): a client says Hello again until its timeout.
                 self._send(
                     identity,
                     Finished(

@@ -82,8 +82,6 @@ log = structlog.get_logger("stagewire.remote")
 #: While connecting, a ``Hello`` is resent this often: the master may start after the
 #: client, and it answers only once its workers are ready.
 HELLO_INTERVAL_S = 0.25
-#: How much later a refusal must come again to be believed (see ``start``).
-REFUSAL_CHECK_S = 0.2
 #: With requests in flight, the client pings when it has heard nothing for this long (or a
 #: quarter of its ``timeout``, if shorter).
 PING_AFTER_S = 2.0
@@ -131,8 +129,9 @@ def _codec(path: str, missing: dict[str, str]) -> tuple[Any, PayloadCodec[Any]]:
 class RemotePipeline:
     """A client of a pipeline served by a remote master (``stagewire master``).
 
-    Made by :meth:`Pipeline.connect`; use as ``async with``. Its calls are the embedded
-    :class:`Pipeline`'s, with the same results and the same exceptions.
+    Made by :meth:`Pipeline.connect`; use as ``async with``. Its ``submit``, ``stream``
+    and ``abort`` are the embedded :class:`Pipeline`'s, with the same results and the same
+    exceptions; ``statistics`` counts this client's side only (no per-replica figures).
 
     Attributes:
         endpoint: the master's control endpoint.
@@ -254,12 +253,11 @@ class RemotePipeline:
             while self._welcome is None:
                 left = deadline - loop.time()
                 refusals = self._refusals
-                # A refusal is believed once repeated a while later, or at the deadline: a
-                # ``stagewire master`` takes clients a moment after its workers are ready,
-                # and in that moment it answers as a batch run does.
-                if refusals and (refusals[-1][0] - refusals[0][0] >= REFUSAL_CHECK_S or left <= 0):
+                # Only a master that will never serve clients refuses (a batch run); one
+                # that will but is not ready yet stays silent, and is asked again.
+                if refusals:
                     raise PipelineError(
-                        f"the master at {self.endpoint} refuses clients: {refusals[-1][1]}"
+                        f"the master at {self.endpoint} refuses clients: {refusals[0][1]}"
                     )
                 if self._refused_handshake:
                     raise MasterUnavailable(self.endpoint, self._refused_handshake)
@@ -270,8 +268,6 @@ class RemotePipeline:
                         "runs there and its workers are all ready (it answers once they are), "
                         "that this host can reach the address, and, with CURVE, the keys",
                     )
-                if refusals:
-                    await asyncio.sleep(min(REFUSAL_CHECK_S, left))
                 self._answered.clear()
                 self._send(Hello())
                 with contextlib.suppress(TimeoutError):
@@ -348,10 +344,10 @@ class RemotePipeline:
         may differ).
         """
         event = parse_monitor_message(frames)["event"]
+        refused = self._handshake.refusal(event)
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._connected = True
             return
-        refused = self._handshake.refusal(event)
         if refused is not None and not self._refused_handshake:
             self._refused_handshake = refused
             log.error("refused_by_master", endpoint=self.endpoint, reason=refused)
@@ -492,6 +488,8 @@ class RemotePipeline:
                 input is too large for one message.
             RequestTimeout: the request passed its deadline.
             RequestAborted: the request was aborted, or the client closed.
+            PipelineError: the master answered out of turn (a request it had not admitted).
+            RuntimeError: the client is not connected.
         """
         sinks = self._welcomed().sinks
         last: dict[str, Any] = {}
@@ -545,34 +543,35 @@ class RemotePipeline:
         ping_after = min(PING_AFTER_S, self.timeout / 4)
         while True:
             await asyncio.sleep(ping_after / 2)
-            if self._rejoining and self._connected:
-                self._send(Hello())  # unanswered while a new master waits for its workers
-            if not self._calls:
-                continue
-            now = loop.time()
-            if now - self._heard >= ping_after and now - self._pinged >= ping_after:
-                self._pinged = now
-                self._send(Hello())
-            for call in list(self._calls.values()):
-                quiet = now - max(self._heard, call.sent_at)
-                if quiet > self.timeout:
-                    self._end(
-                        call,
-                        MasterUnavailable(
-                            self.endpoint,
-                            f"no answer for {quiet:.3g}s while the request was in flight: "
-                            "the master stopped or cannot be reached",
-                            request_id=call.request_id,
-                        ),
-                    )
-                elif call.deadline is not None and now > call.deadline:
-                    assert self._welcome is not None
-                    self._end(
-                        call,
-                        RequestTimeout(
-                            call.request_id or f"#{call.token}", self._welcome.request_timeout
-                        ),
-                    )
+            try:
+                self._watch_once(loop.time(), ping_after)
+            except Exception as exc:  # the only bound on waiting requests: it must go on
+                log.error("remote_watch_failed", endpoint=self.endpoint, error=repr(exc))
+
+    def _watch_once(self, now: float, ping_after: float) -> None:
+        """One look at the connection and at the requests waiting on it."""
+        if self._rejoining and self._connected:
+            self._send(Hello())  # unanswered while a new master waits for its workers
+        if not self._calls:
+            return
+        if now - self._heard >= ping_after and now - self._pinged >= ping_after:
+            self._pinged = now
+            self._send(Hello())
+        for call in list(self._calls.values()):
+            quiet = now - max(self._heard, call.sent_at)
+            if quiet > self.timeout:
+                self._end(
+                    call,
+                    MasterUnavailable(
+                        self.endpoint,
+                        f"no answer for {quiet:.3g}s while the request was in flight: "
+                        "the master stopped or cannot be reached",
+                        request_id=call.request_id,
+                    ),
+                )
+            elif call.deadline is not None and now > call.deadline:
+                limit = self._welcome.request_timeout if self._welcome else 0.0
+                self._end(call, RequestTimeout(call.request_id or f"#{call.token}", limit))
 
     # ---- closing -------------------------------------------------------------------------
 

@@ -109,6 +109,9 @@ class RemoteResponseStream:
             StageUnavailable: a stage had no ready replica for ``replica_wait``.
             MasterUnavailable: the master did not answer within ``timeout``.
             RequestAborted: the request was aborted, or the client closed.
+            RequestTimeout: the request passed its deadline before it was admitted.
+            PipelineError: the master answered out of turn (a request it had not admitted).
+            RuntimeError: the client is not connected.
         """
         call = self._submit()
         while call.request_id is None:

@@ -9,8 +9,9 @@ connecting sockets present its public key as their own and prove they hold the s
 a ZAP handler in each process admits only that key. So a peer that merely learned the
 public key cannot connect; one needs the secret file.
 
-Same-host links between workers are Unix sockets, not ZeroMQ, and are not covered: on one
-host, file permissions already say who may connect.
+Same-host links between workers are Unix sockets, not ZeroMQ, and are not encrypted: they
+never leave the host, and their listeners accept only processes of the same user (or root),
+by the connecting process's credentials.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def make_keys(directory: str | os.PathLike[str], *, force: bool = False) -> Path
         The secret key file's path.
 
     Raises:
-        ConfigError: a key pair is already there (``force`` replaces it), or the directory
-            cannot be written.
+        ConfigError: a key pair is already there (``force`` replaces it), the directory
+            cannot be written, or other users may write it.
     """
     if not zmq.has("curve"):
         raise ConfigError("this ZeroMQ build has no CURVE support; install pyzmq's wheel")
@@ -87,6 +88,13 @@ def make_keys(directory: str | os.PathLike[str], *, force: bool = False) -> Path
         raise ConfigError(f"{secret_file} already exists; pass --force to replace the key pair")
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            # What others may write there they could replace (and it is not ours to narrow:
+            # it may be a shared directory).
+            raise ConfigError(
+                f"{path} is writable by other users; make the key pair in a directory of "
+                "your own (it is created readable by you only if missing)"
+            )
         for old in (secret_file, path / f"{_NAME}.key"):
             old.unlink(missing_ok=True)
         # Created readable by the owner only from the start, not narrowed afterwards.
@@ -104,8 +112,9 @@ def load_keys(directory: str | os.PathLike[str]) -> CurveKeys:
     """Read the key pair ``stagewire keys`` wrote into ``directory``.
 
     Raises:
-        ConfigError: no key pair there, the secret file is readable by others, or it is
-            not a key file.
+        ConfigError: no key pair there, the secret file is readable by others, the file or
+            the directory belongs to another user or others may write the directory, or
+            it is not a key file.
     """
     path = Path(directory).expanduser().absolute()
     secret_file = path / f"{_NAME}.key_secret"
@@ -119,6 +128,13 @@ def load_keys(directory: str | os.PathLike[str]) -> CurveKeys:
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(
             f"{secret_file} is accessible by other users; run 'chmod 600 {secret_file}'"
+        )
+    _check_owned(secret_file)
+    _check_owned(path)
+    if path.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"{path} is writable by other users, who could replace the key pair; "
+            f"run 'chmod go-w {path}'"
         )
     if not zmq.has("curve"):
         raise ConfigError("this ZeroMQ build has no CURVE support; install pyzmq's wheel")
@@ -143,6 +159,15 @@ def resolve_keys(directory: str | os.PathLike[str] | None) -> CurveKeys | None:
     return None if directory is None else load_keys(directory)
 
 
+def _check_owned(path: Path) -> None:
+    """Refuse key material another user owns (and so could have written)."""
+    owner = path.stat().st_uid
+    if owner not in (os.geteuid(), 0):
+        raise ConfigError(
+            f"{path} belongs to another user (uid {owner}); use a key directory of your own"
+        )
+
+
 _process_keys: CurveKeys | None = None
 
 
@@ -162,10 +187,16 @@ def secure_server(sock: _S, keys: CurveKeys | None) -> _S:
 
     Call before ``bind``. The socket's context gets a handler that admits only peers
     holding the pair's secret key.
+
+    Raises:
+        ConfigError: the socket's context already serves another pair.
     """
     if keys is not None:
         _guard_for(sock.context, keys)
         sock.setsockopt(zmq.ZAP_DOMAIN, _DOMAIN)
+        # Without this a server whose handler is missing would admit every CURVE peer
+        # that knows the public key; with it, it admits none.
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
@@ -212,48 +243,64 @@ def handshake_failure(event: int, endpoint: str, keys: CurveKeys | None) -> str:
 
 
 class _Guard(threading.Thread):
-    """The ZAP handler of one context: admits CURVE peers that hold the pair's secret."""
+    """The ZAP handler of one context: admits CURVE peers that hold the pair's secret.
+
+    It owns its one socket, so a context terminated without :func:`stop_guard` still
+    terminates (the thread sees ETERM and closes it). Nothing but the stop request or the
+    context's end ends its loop: the servers it guards also demand it
+    (``ZAP_ENFORCE_DOMAIN``), so were it gone they would refuse every peer, never admit one.
+    """
+
+    _POLL_MS = 100
 
     def __init__(self, ctx: zmq.Context[Any], keys: CurveKeys) -> None:
         super().__init__(name="stagewire-zap", daemon=True)
+        self.keys = keys
         self._public = z85.decode(keys.public)
         # Bound here, before any socket that needs it, so no handshake finds it missing.
         self._rep = ctx.socket(zmq.REP)
         self._rep.setsockopt(zmq.LINGER, 0)
         self._rep.bind(_ZAP_ENDPOINT)
-        self._wake_in = ctx.socket(zmq.PAIR)
-        self._wake_in.setsockopt(zmq.LINGER, 0)
-        endpoint = f"inproc://stagewire-zap-stop-{id(self)}"
-        self._wake_in.bind(endpoint)
-        self._wake_out = ctx.socket(zmq.PAIR)
-        self._wake_out.setsockopt(zmq.LINGER, 0)
-        self._wake_out.connect(endpoint)
-        self._lock = threading.Lock()
+        self._stopping = threading.Event()
         self.admitted = 0
         self.refused = 0
         self._refused_from: set[bytes] = set()
         self.start()
 
     def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._rep, zmq.POLLIN)
-        poller.register(self._wake_in, zmq.POLLIN)
+        rep = self._rep
         try:
-            while True:
-                ready = dict(poller.poll())
-                if self._wake_in in ready:
+            while not self._stopping.is_set():
+                try:
+                    if not rep.poll(self._POLL_MS):
+                        continue
+                    frames = rep.recv_multipart()
+                except zmq.ContextTerminated:
                     return
-                if self._rep in ready:
-                    self._answer(self._rep.recv_multipart())
-        except zmq.ZMQError:
-            return  # the context is going away
+                except zmq.ZMQError as exc:
+                    if exc.errno == zmq.ETERM:
+                        return
+                    log.error("zap_handler_error", error=repr(exc))
+                    continue
+                try:
+                    reply = self._answer(frames)
+                except Exception as exc:  # a refusal, never a dead handler
+                    log.error("zap_handler_error", error=repr(exc))
+                    reply = [*_head(frames), b"500", b"handler error", b"", b""]
+                try:
+                    rep.send_multipart(reply)
+                except zmq.ZMQError as exc:
+                    if exc.errno == zmq.ETERM:
+                        return
+                    log.error("zap_handler_error", error=repr(exc))
         finally:
-            self._rep.close(0)
-            self._wake_in.close(0)
+            rep.close(0)
 
-    def _answer(self, frames: list[bytes]) -> None:
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        """The reply to one ZAP request: 200 for the pair's holders, 400 for anyone else."""
         if len(frames) < 6:
-            return  # not a ZAP request; REP needs no answer to a malformed one it dropped
+            # libzmq never sends this; REP must still answer it to take the next request.
+            return [*_head(frames), b"400", b"malformed request", b"", b""]
         version, request_id, _domain, address, _identity, mechanism = frames[:6]
         credentials = frames[6:]
         ok = mechanism == b"CURVE" and len(credentials) == 1 and credentials[0] == self._public
@@ -263,20 +310,23 @@ class _Guard(threading.Thread):
             self.refused += 1
             if address not in self._refused_from and len(self._refused_from) < 1024:
                 self._refused_from.add(address)
-                log.warning(
-                    "peer_refused",
-                    address=address.decode(errors="replace"),
-                    reason="it does not hold this pipeline's CURVE key pair",
-                )
-        status = (b"200", b"OK") if ok else (b"400", b"not this pipeline's key pair")
-        self._rep.send_multipart([version, request_id, *status, b"", b""])
+                with contextlib.suppress(Exception):  # a broken log stream must not stop us
+                    log.warning(
+                        "peer_refused",
+                        address=address.decode(errors="replace"),
+                        reason="it does not hold this pipeline's CURVE key pair",
+                    )
+        status = [b"200", b"OK"] if ok else [b"400", b"not this pipeline's key pair"]
+        return [version, request_id, *status, b"", b""]
 
     def stop(self) -> None:
-        with self._lock:
-            with contextlib.suppress(zmq.ZMQError):
-                self._wake_out.send(b"")
-            self.join(5.0)
-            self._wake_out.close(0)
+        self._stopping.set()
+        self.join(5.0)
+
+
+def _head(frames: list[bytes]) -> list[bytes]:
+    """A ZAP request's version and request id, for its reply (empty where missing)."""
+    return [*frames[:2], b"", b""][:2]
 
 
 _guards: dict[int, tuple[zmq.Context[Any], _Guard]] = {}
@@ -284,9 +334,20 @@ _guards_lock = threading.Lock()
 
 
 def _guard_for(ctx: zmq.Context[Any], keys: CurveKeys) -> _Guard:
+    """``ctx``'s handler, started for ``keys`` if it has none.
+
+    Raises:
+        ConfigError: ``ctx`` already guards another pair (one context, one pair).
+    """
     with _guards_lock:
         found = _guards.get(id(ctx))
         if found is not None and found[0] is ctx:
+            if found[1].keys.public != keys.public:
+                raise ConfigError(
+                    f"this ZeroMQ context already serves the key pair of "
+                    f"{found[1].keys.directory}; one process serves one pair, not also the "
+                    f"one in {keys.directory}"
+                )
             return found[1]
         guard = _Guard(ctx, keys)
         _guards[id(ctx)] = (ctx, guard)

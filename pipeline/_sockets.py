@@ -169,7 +169,13 @@ class HandshakeJudge:
         self._vague = 0
 
     def refusal(self, event: int) -> str | None:
-        """A one-line reason once ``event`` (with those before it) means refused, else None."""
+        """A one-line reason once ``event`` (with those before it) means refused, else None.
+
+        A handshake that succeeds forgets the vague failures before it.
+        """
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._vague = 0
+            return None
         if not event & HANDSHAKE_FAILED:
             return None
         if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:

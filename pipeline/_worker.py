@@ -118,6 +118,8 @@ class _Worker:
         # (pid 1 in a container), and the master must not take it for the one before.
         self.identity = f"{stage}/{replica}/{os.getpid()}/{secrets.token_hex(4)}".encode()
         self.control = secure_client(self.zctx.socket(zmq.DEALER), keys)
+        #: Why the master refused this worker's handshake, once it has.
+        self.refusal = ""
         self.control.setsockopt(zmq.IDENTITY, self.identity)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
@@ -150,6 +152,7 @@ class _Worker:
         self.control_reader.kick()
 
     def _refused(self, reason: str) -> None:
+        self.refusal = reason  # register() fails with it even if it had not started waiting
         if self.assignment is not None and not self.assignment.done():
             self.assignment.set_exception(Refused(reason))
 
@@ -222,6 +225,8 @@ class _Worker:
 
     async def register(self, timeout: float) -> Assignment:
         self.assignment = asyncio.get_running_loop().create_future()
+        if self.refusal:
+            self.assignment.set_exception(Refused(self.refusal))
         self.control_reader.start()
         register = Register(
             self.stage,

@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,10 @@ from pipeline._security import (
     load_keys,
     process_keys,
     refused_count,
+    secure_client,
+    secure_server,
     set_process_keys,
+    stop_guard,
 )
 from stages.text import Text
 from tests.pipeline.conftest import wait_for
@@ -288,3 +292,41 @@ async def test_network_transport_speaks_curve_and_refuses_a_consumer_without_the
         async with transport.open_receiver(edge) as receiver:
             with pytest.raises(TransportError):
                 await asyncio.wait_for(receiver.get(desc), 30)
+
+
+def test_a_server_whose_handler_is_gone_admits_nobody(keys: Path) -> None:
+    """The servers demand their ZAP handler: were it stopped (or dead), a peer holding the
+    pair is refused, not every peer that knows the public key admitted. A context whose
+    handler was never stopped still terminates; one context serves one pair."""
+    pair = load_keys(keys)
+    ctx = zmq.Context()
+    try:
+        server = secure_server(ctx.socket(zmq.ROUTER), pair)
+        server.setsockopt(zmq.LINGER, 0)
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        second = ctx.socket(zmq.ROUTER)
+        with pytest.raises(ConfigError, match="already serves the key pair"):
+            secure_server(second, load_keys(_keys(keys.parent / "other")))
+        second.close(0)
+        client = secure_client(ctx.socket(zmq.DEALER), pair)
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(f"tcp://127.0.0.1:{port}")
+        client.send(b"in")
+        assert server.poll(5000), "the pair's holder was not admitted"
+        assert server.recv_multipart()[-1] == b"in"
+        stop_guard(ctx)
+        late = secure_client(ctx.socket(zmq.DEALER), pair)
+        late.setsockopt(zmq.LINGER, 0)
+        late.connect(f"tcp://127.0.0.1:{port}")
+        late.send(b"late")
+        assert not server.poll(1000), "admitted with no handler to ask"
+        for s in (server, client, late):
+            s.close()
+    finally:
+        ctx.term()
+    # A guarded context terminated without stop_guard (an error path) does not hang.
+    ctx = zmq.Context()
+    secure_server(ctx.socket(zmq.ROUTER), pair).close(0)
+    ended = threading.Event()
+    threading.Thread(target=lambda: (ctx.term(), ended.set()), daemon=True).start()
+    assert ended.wait(10), "ctx.term() hung on the handler's socket"

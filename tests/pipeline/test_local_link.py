@@ -6,6 +6,8 @@ import asyncio
 import os
 import socket
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -77,6 +79,50 @@ async def test_one_frame_split_across_many_writes(listener: tuple[LocalListener,
     finally:
         raw.close()
     assert got.frames == [body, b"end"]
+
+
+_SEND_AS = """
+import os, socket, struct, sys
+uid = int(sys.argv[2])
+if uid != os.geteuid():
+    os.setgid(uid)
+    os.setuid(uid)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\\0" + sys.argv[1])
+s.sendall(struct.pack("!I", 5) + b"hello")
+try:
+    s.recv(1)  # until the listener closes the link, or the test ends
+except ConnectionResetError:
+    pass  # closed on us with our frame unread
+"""
+
+
+def _send_as(address: str, uid: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", _SEND_AS, address, str(uid)])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to connect as another user")
+async def test_a_process_of_another_user_is_refused(
+    listener: tuple[LocalListener, _Collect],
+) -> None:
+    """The abstract socket has no file permissions: the listener checks who connects. A
+    process of another user (nobody) is refused and counted; this user's frame arrives."""
+    lst, got = listener
+    other = _send_as(lst.address, 65534)
+    try:
+        await wait_for(lambda: lst.refused == 1)
+        assert await asyncio.to_thread(other.wait, 10) == 0  # its link was closed on it
+    finally:
+        if other.poll() is None:
+            other.kill()
+        other.wait()
+    mine = _send_as(lst.address, os.geteuid())
+    try:
+        await got.until(1)
+        assert got.frames == [b"hello"] and lst.refused == 1
+    finally:
+        mine.kill()
+        mine.wait()
 
 
 async def test_an_oversized_frame_drops_the_link_and_is_counted() -> None:
