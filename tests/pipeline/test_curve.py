@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import socket
 import stat
 import subprocess
@@ -235,7 +236,12 @@ async def test_submit_and_connect_need_the_pair(keys: Path, tmp_path: Path) -> N
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     endpoint = f"tcp://127.0.0.1:{port}"
-    procs = [_spawn("master", str(DEMO), "--bind", endpoint, "--keys", str(keys), err=err)]
+    config = tmp_path / "p.yaml"  # one edge on the network transport, secured too
+    config.write_text(
+        DEMO.read_text().replace("{from: split, to: upper}", "{from: split, to: upper, "
+                                 "transport: network}")
+    )  # fmt: skip
+    procs = [_spawn("master", str(config), "--bind", endpoint, "--keys", str(keys), err=err)]
     try:
         await wait_for(lambda: "stagewire worker --master" in err.read_text(), 30)
         commands = re.findall(r"stagewire worker (--master .*--keys \S+)", err.read_text())
@@ -265,6 +271,11 @@ async def test_submit_and_connect_need_the_pair(keys: Path, tmp_path: Path) -> N
                 async with Pipeline.connect(endpoint, keys=given, timeout=30):
                     pass
             assert time.monotonic() - t0 < 10
+        # Every process ends on its own and cleanly, their keyed contexts included (the
+        # split worker's network transport holds one more).
+        procs[0].send_signal(signal.SIGTERM)
+        for p in procs:
+            assert await asyncio.to_thread(p.wait, 60) == 0, p.args
     finally:
         for p in procs:
             if p.poll() is None:
