@@ -1,8 +1,17 @@
-"""Looking at processes from tests: children of a pid, and whether a pid still runs."""
+"""Processes from tests: children of a pid, whether a pid still runs, and ``stagewire``
+commands started (and, whatever happens, killed) by a test."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _stat_fields(pid: int | str) -> list[str]:
@@ -30,3 +39,38 @@ def alive(pid: int) -> bool:
         return _stat_fields(pid)[0] != "Z"
     except OSError:
         return False
+
+
+def free_port() -> int:
+    """A TCP port on the loopback address that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_stagewire(
+    *args: str,
+    err: Path | None = None,
+    out: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """``python -m pipeline ARGS`` from the repository root in its own session, left
+    running; stderr (and stdout) to files, ``env`` the whole environment (default: ours)."""
+    with (err or Path(os.devnull)).open("wb") as e, (out or Path(os.devnull)).open("wb") as o:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=o,
+            stderr=e,
+            cwd=ROOT,
+            start_new_session=True,
+            env=dict(os.environ if env is None else env),
+        )
+
+
+def kill_all(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+    """What a test started and left running: none may outlive it (killed by pid, reaped)."""
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from pipeline import Pipeline, PipelineSpec
@@ -43,6 +44,17 @@ async def wait_for(
             if await got if inspect.isawaitable(got) else got:
                 return
             await asyncio.sleep(interval)
+
+
+async def workers_announced(err: Path, timeout: float = 30.0) -> str:
+    """Wait until a master writing its stderr to ``err`` has printed the ``stagewire
+    worker`` command of each replica; returns what it wrote."""
+
+    def announced() -> bool:
+        return "stagewire worker --master" in err.read_text(errors="replace")
+
+    await wait_for(announced, timeout=timeout)
+    return await asyncio.to_thread(err.read_text, errors="replace")
 
 
 async def settled(pipe: Pipeline) -> bool:

@@ -10,9 +10,7 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -41,8 +39,9 @@ from pipeline import (
 from pipeline._codec import codec_for
 from pipeline._messages import WIRE_CODEC, ControlToClient, Finished, Submit, encode_message
 from stages.text import Text, Token
-from tests.pipeline.conftest import wait_for
+from tests.pipeline.conftest import wait_for, workers_announced
 from tests.pipeline.tensor_stages import FACTORS, Frame
+from tests.procs import free_port, kill_all, start_stagewire
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -103,32 +102,9 @@ edges: []
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(*args: str, err: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """``python -m pipeline ARGS`` in its own session, stderr to a file."""
-    with err.open("wb") as e:
-        return subprocess.Popen(
-            [sys.executable, "-m", "pipeline", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=e,
-            cwd=ROOT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-
-
-def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
-    """What a test started and left running: none may outlive it."""
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-        p.wait()
+    """``python -m pipeline ARGS``, stderr to a file, ``env`` added to ours."""
+    return start_stagewire(*args, err=err, env={**os.environ, **(env or {})})
 
 
 async def _serve(
@@ -141,14 +117,11 @@ async def _serve(
 ) -> str:
     """Start ``stagewire master`` on ``config`` and the workers it names, adding each
     process to ``procs`` (for the caller to stop); returns its endpoint once it serves."""
-    endpoint = endpoint or f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
     err = tmp / f"master-{len(procs)}.err"
     procs.append(_start("master", str(config), "--bind", endpoint, err=err, env=env))
 
-    async def announced() -> bool:
-        return "stagewire worker --master" in err.read_text(errors="replace")
-
-    await wait_for(announced, timeout=30)
+    await workers_announced(err)
     found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica \d+)",
                        err.read_text())  # fmt: skip
     for command, stage in found:
@@ -188,7 +161,7 @@ async def words(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Serve
     try:
         yield Served(config, await _serve(config, tmp, procs))
     finally:
-        _kill(procs)
+        kill_all(procs)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -362,13 +335,13 @@ async def test_every_way_of_leaving_a_request_cancels_it_at_the_master(tmp_path:
             "served 1 requests (0 failed, 5 cancelled by their clients, 0 whose clients went away)"
         ), summary
     finally:
-        _kill(procs)
+        kill_all(procs)
 
 
 async def test_connecting_where_nothing_listens_fails_within_the_timeout() -> None:
     """No master: MasterUnavailable after ``timeout``, one line naming the endpoint and what
     to check; a bad endpoint or key directory is a ConfigError at once."""
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(MasterUnavailable) as info:
         async with Pipeline.connect(endpoint, timeout=1.0):
@@ -394,7 +367,7 @@ async def test_a_batch_run_refuses_clients_and_a_starting_master_waits(
     nothing yet (the client's timeout says what to check), then serves once they are up."""
     config = tmp_path / "stall.yaml"
     config.write_text(STALL)
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     err = tmp_path / "run.err"
     procs = [
         _start("run", str(config), "--external-workers", "--bind", endpoint,
@@ -402,10 +375,7 @@ async def test_a_batch_run_refuses_clients_and_a_starting_master_waits(
     ]  # fmt: skip
     try:
 
-        async def announced() -> bool:
-            return "stagewire worker --master" in err.read_text(errors="replace")
-
-        await wait_for(announced, timeout=30)
+        await workers_announced(err)
         t0 = time.monotonic()
         with pytest.raises(PipelineError) as refusal:
             async with Pipeline.connect(endpoint, timeout=10):
@@ -414,12 +384,12 @@ async def test_a_batch_run_refuses_clients_and_a_starting_master_waits(
         assert str(refusal.value).startswith(f"the master at {endpoint} refuses clients: ")
         assert "takes no submissions" in str(refusal.value)
     finally:
-        _kill(procs)
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        kill_all(procs)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     err = tmp_path / "master.err"
     procs = [_start("master", str(config), "--bind", endpoint, err=err)]
     try:
-        await wait_for(lambda: "stagewire worker --master" in err.read_text(), timeout=30)
+        await workers_announced(err)
         with pytest.raises(MasterUnavailable, match="workers are all ready"):
             async with Pipeline.connect(endpoint, timeout=1.0):
                 pass
@@ -431,7 +401,7 @@ async def test_a_batch_run_refuses_clients_and_a_starting_master_waits(
         async with Pipeline.connect(endpoint, timeout=60) as pipe:
             assert pipe.name == "stall"
     finally:
-        _kill(procs)
+        kill_all(procs)
 
 
 async def test_a_tensor_payload_round_trips_typed(tmp_path: Path) -> None:
@@ -462,7 +432,7 @@ async def test_a_tensor_payload_round_trips_typed(tmp_path: Path) -> None:
                 await pipe.submit(Frame("grow", torch.ones(40 * 1024 * 1024, dtype=torch.uint8)))
             assert (await pipe.submit(Frame("h", torch.ones(2)))).name == f"h*{FACTORS[-1]}"
     finally:
-        _kill(procs)
+        kill_all(procs)
 
 
 async def test_outputs_whose_type_this_host_lacks_decode_untyped(tmp_path: Path) -> None:
@@ -487,7 +457,7 @@ async def test_outputs_whose_type_this_host_lacks_decode_untyped(tmp_path: Path)
             assert torch.equal(cells, torch.arange(6, dtype=torch.int16).reshape(3, 2))
             assert (await pipe.statistics())["untyped"] == ["connect_hidden_stages:Grid"]
     finally:
-        _kill(procs)
+        kill_all(procs)
 
 
 async def test_a_master_that_freezes_dies_or_restarts_fails_requests_in_flight(
@@ -535,4 +505,4 @@ async def test_a_master_that_freezes_dies_or_restarts_fails_requests_in_flight(
 
             await wait_for(greeted, timeout=10)
     finally:
-        _kill(procs)
+        kill_all(procs)

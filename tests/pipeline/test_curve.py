@@ -39,7 +39,8 @@ from pipeline._security import (
     stop_guard,
 )
 from stages.text import Text
-from tests.pipeline.conftest import wait_for
+from tests.pipeline.conftest import wait_for, workers_announced
+from tests.procs import free_port, kill_all, start_stagewire
 from transports import EdgeContext
 from transports.network import NetworkTransport
 
@@ -68,17 +69,9 @@ def _env(**extra: str) -> dict[str, str]:
 def _spawn(
     *args: str, env: dict[str, str] | None = None, err: Path | None = None
 ) -> subprocess.Popen[bytes]:
-    """``python -m pipeline ARGS`` left running in its own session, stderr to ``err``."""
-    with (err or Path(os.devnull)).open("wb") as e:
-        return subprocess.Popen(
-            [sys.executable, "-m", "pipeline", *args],
-            cwd=ROOT,
-            env=env if env is not None else _env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=e,
-            start_new_session=True,
-        )
+    """``python -m pipeline ARGS`` left running, without a key directory unless ``env``
+    gives one."""
+    return start_stagewire(*args, err=err, env=env if env is not None else _env())
 
 
 def _keys(directory: Path) -> Path:
@@ -232,10 +225,7 @@ async def test_submit_and_connect_need_the_pair(keys: Path, tmp_path: Path) -> N
     cause, and a connect fails at once with MasterUnavailable saying so."""
     other = _keys(tmp_path / "other")
     err = tmp_path / "master.err"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    endpoint = f"tcp://127.0.0.1:{port}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     config = tmp_path / "p.yaml"  # one edge on the network transport, secured too
     config.write_text(
         DEMO.read_text().replace("{from: split, to: upper}", "{from: split, to: upper, "
@@ -243,7 +233,7 @@ async def test_submit_and_connect_need_the_pair(keys: Path, tmp_path: Path) -> N
     )  # fmt: skip
     procs = [_spawn("master", str(config), "--bind", endpoint, "--keys", str(keys), err=err)]
     try:
-        await wait_for(lambda: "stagewire worker --master" in err.read_text(), 30)
+        await workers_announced(err)
         commands = re.findall(r"stagewire worker (--master .*--keys \S+)", err.read_text())
         assert len(commands) == 3, err.read_text()
         for command in commands:
@@ -277,10 +267,7 @@ async def test_submit_and_connect_need_the_pair(keys: Path, tmp_path: Path) -> N
         for p in procs:
             assert await asyncio.to_thread(p.wait, 60) == 0, p.args
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        kill_all(procs)
 
 
 async def test_network_transport_speaks_curve_and_refuses_a_consumer_without_the_pair(

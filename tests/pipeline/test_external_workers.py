@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipeline.conftest import wait_for
-from tests.procs import alive
+from tests.pipeline.conftest import wait_for, workers_announced
+from tests.procs import alive, free_port, kill_all, start_stagewire
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -28,29 +28,12 @@ INPUTS = ROOT / "configs" / "demo-inputs.jsonl"
 def _start(
     *args: str, err: Path, out: Path | None = None, host: str | None = None
 ) -> subprocess.Popen[bytes]:
-    """``python -m pipeline ARGS`` in its own session, stderr (and stdout) to files; with
-    ``host``, as if on that host (its own host identity: no shm, no same-host links)."""
+    """``python -m pipeline ARGS``; with ``host``, as if on that host (its own host
+    identity: no shm, no same-host links)."""
     env = dict(os.environ)
     if host is not None:
         env["STAGEWIRE_HOST_ID"] = host
-    with err.open("wb") as e, (out or Path(os.devnull)).open("wb") as o:
-        return subprocess.Popen(
-            [sys.executable, "-m", "pipeline", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=o,
-            stderr=e,
-            cwd=ROOT,
-            start_new_session=True,
-            env=env,
-        )
-
-
-def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
-    """What the test started and left running: none may outlive it."""
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-        p.wait()
+    return start_stagewire(*args, err=err, out=out, env=env)
 
 
 @pytest.mark.parametrize("hosts", ["one host", "a host each"])
@@ -69,10 +52,7 @@ async def test_a_run_with_external_workers_serves_them_and_shuts_them_down(
     ]  # fmt: skip
     try:
 
-        async def announced() -> bool:
-            return "stagewire worker --master" in err.read_text(errors="replace")
-
-        await wait_for(announced, timeout=30)
+        await workers_announced(err)
         text = err.read_text()
         found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica \d+)", text)
         assert sorted(stage for _, stage in found) == ["join", "split", "upper"], text
@@ -96,7 +76,7 @@ async def test_a_run_with_external_workers_serves_them_and_shuts_them_down(
         for p in procs[1:]:
             assert await asyncio.to_thread(p.wait, 30) == 0, p.args
     finally:
-        _kill(procs)
+        kill_all(procs)
 
 
 async def test_a_run_whose_external_workers_never_come_names_them_and_exits_3(
@@ -114,7 +94,7 @@ async def test_a_run_whose_external_workers_never_come_names_them_and_exits_3(
         for name in ("join[0]", "split[0]", "upper[0]"):
             assert name in errors[0], errors
     finally:
-        _kill([proc])
+        kill_all([proc])
 
 
 def test_external_workers_refuse_a_wildcard_bind(tmp_path: Path) -> None:
@@ -131,7 +111,7 @@ def test_external_workers_refuse_a_wildcard_bind(tmp_path: Path) -> None:
 async def test_workers_started_before_the_master_wait_for_it(tmp_path: Path) -> None:
     """Any order: workers started first retry until the master listens at the agreed
     address."""
-    port = _free_port()
+    port = free_port()
     master = f"tcp://127.0.0.1:{port}"
     procs = [
         _start("worker", "--master", master, "--stage", stage, "--headless",
@@ -154,15 +134,7 @@ async def test_workers_started_before_the_master_wait_for_it(tmp_path: Path) -> 
         for p in procs[:3]:
             assert await asyncio.to_thread(p.wait, 30) == 0
     finally:
-        _kill(procs)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        kill_all(procs)
 
 
 async def test_external_workers_on_two_hosts_refuse_an_edge_pinned_to_shm(tmp_path: Path) -> None:
@@ -179,10 +151,7 @@ async def test_external_workers_on_two_hosts_refuse_an_edge_pinned_to_shm(tmp_pa
     ]
     try:
 
-        async def announced() -> bool:
-            return "stagewire worker --master" in err.read_text(errors="replace")
-
-        await wait_for(announced, timeout=30)
+        await workers_announced(err)
         found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica \d+)",
                            err.read_text())  # fmt: skip
         workers = {}
@@ -207,7 +176,7 @@ async def test_external_workers_on_two_hosts_refuse_an_edge_pinned_to_shm(tmp_pa
         logs = "".join((tmp_path / f"{stage}.err").read_text() for stage in refused)
         assert "refused_by_master" in logs and "pinned to transport 'shm'" in logs, logs
     finally:
-        _kill(procs)
+        kill_all(procs)
 
 
 async def test_a_worker_for_a_stage_the_pipeline_lacks_is_told_and_exits(tmp_path: Path) -> None:
@@ -218,10 +187,7 @@ async def test_a_worker_for_a_stage_the_pipeline_lacks_is_told_and_exits(tmp_pat
     procs = [run]
     try:
 
-        async def announced() -> bool:
-            return "stagewire worker --master" in err.read_text(errors="replace")
-
-        await wait_for(announced, timeout=30)
+        await workers_announced(err)
         master = re.search(r"--master (\S+)", err.read_text()).group(1)  # type: ignore[union-attr]
         for stage, replica in (("uper", "0"), ("upper", "3")):
             wlog = tmp_path / f"{stage}-{replica}.err"
@@ -232,7 +198,7 @@ async def test_a_worker_for_a_stage_the_pipeline_lacks_is_told_and_exits(tmp_pat
             text = wlog.read_text()
             assert "refused_by_master" in text and "split, upper, join" in text, text
     finally:
-        _kill(procs)
+        kill_all(procs)
 
 
 # ---- stagewire master + stagewire submit ---------------------------------------------------
@@ -259,15 +225,12 @@ def _submitting(master: str, value: str, err: Path | None = None) -> subprocess.
 
 async def _serving(config: Path, tmp_path: Path) -> tuple[str, list[subprocess.Popen[bytes]]]:
     """A ``stagewire master`` on ``config`` and the workers it names, once it serves."""
-    port = _free_port()
+    port = free_port()
     master = f"tcp://127.0.0.1:{port}"
     err = tmp_path / "master.err"
     procs = [_start("master", str(config), "--bind", master, err=err)]
 
-    async def announced() -> bool:
-        return "stagewire worker --master" in err.read_text(errors="replace")
-
-    await wait_for(announced, timeout=30)
+    await workers_announced(err)
     found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica \d+)",
                        err.read_text())  # fmt: skip
     for command, stage in found:
@@ -346,13 +309,13 @@ async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_w
             "away)" in summary
         ), summary
     finally:
-        _kill(procs)
+        kill_all(procs)
 
 
 async def test_submit_without_a_master_exits_3_and_a_run_refuses_submissions(
     tmp_path: Path,
 ) -> None:
-    nobody = _submit(f"tcp://127.0.0.1:{_free_port()}", '{"value": "a"}', "--timeout", "1")
+    nobody = _submit(f"tcp://127.0.0.1:{free_port()}", '{"value": "a"}', "--timeout", "1")
     assert nobody.returncode == 3 and "no answer from the master" in nobody.stderr, nobody.stderr
     assert _submit("tcp://127.0.0.1:1", "not json").returncode == 2
     # A batch run's master answers a submission with a clear refusal, not silence.
@@ -360,15 +323,12 @@ async def test_submit_without_a_master_exits_3_and_a_run_refuses_submissions(
     run = _start("run", str(DEMO), "--external-workers", "--input", '{"value": "a"}', err=err)
     try:
 
-        async def announced() -> bool:
-            return "stagewire worker --master" in err.read_text(errors="replace")
-
-        await wait_for(announced, timeout=30)
+        await workers_announced(err)
         endpoint = re.search(r"--master (\S+)", err.read_text()).group(1)  # type: ignore[union-attr]
         refused = _submit(endpoint, '{"value": "a"}', "--timeout", "20")
         assert refused.returncode == 1 and "takes no submissions" in refused.stderr
     finally:
-        _kill([run])
+        kill_all([run])
 
 
 async def test_a_client_waiting_when_the_master_stops_is_told(tmp_path: Path) -> None:
@@ -390,4 +350,4 @@ async def test_a_client_waiting_when_the_master_stops_is_told(tmp_path: Path) ->
         assert "RequestAborted: the master stopped" in err.read_text()
         assert await asyncio.to_thread(procs[0].wait, 60) == 0
     finally:
-        _kill(procs)
+        kill_all(procs)
