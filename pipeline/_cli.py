@@ -31,35 +31,28 @@ from typing import Any
 
 import msgspec
 import structlog
-import zmq
-import zmq.asyncio
 from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline import _collector
-from pipeline._api import Pipeline
-from pipeline._errors import ConfigError, PayloadError, PipelineError, StageError
-from pipeline._logging import configure_logging
-from pipeline._messages import (
-    Cancel,
-    ControlToClient,
-    Finished,
-    Output,
-    Submit,
-    encode_message,
+from pipeline._api import Pipeline, SinkOutput
+from pipeline._errors import (
+    ConfigError,
+    MasterUnavailable,
+    PayloadError,
+    PipelineError,
+    StageError,
 )
+from pipeline._logging import configure_logging
 from pipeline._report import render_tables
 from pipeline._security import (
     KEYS_ENV,
     CurveKeys,
     make_keys,
     resolve_keys,
-    secure_client,
 )
 from pipeline._serve import ClientServer, to_json
-from pipeline._sockets import HandshakeWatch
-from pipeline._worker import MAX_CONTROL_MESSAGE
 
 __all__ = ("EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_START", "main")
 
@@ -343,81 +336,70 @@ async def _master(args: argparse.Namespace, console: Console) -> int:
 
 
 async def _submit(args: argparse.Namespace, console: Console) -> int:
-    """``stagewire submit``: one request to a running master; each output as a JSON line."""
+    """``stagewire submit``: one request to a running master; each output as a JSON line.
+
+    A :class:`~pipeline.RemotePipeline` underneath: the input is decoded as the source's
+    type when this host has the stages' code (else sent as plain JSON values, which the
+    master decodes as that type), and each output is printed as JSON as it arrives,
+    tensors and arrays summarised.
+    """
     try:
-        msgspec.json.decode(args.input)
+        value = msgspec.json.decode(args.input)
     except msgspec.DecodeError as exc:
         raise _Fail(f"--input is not JSON: {exc}", EXIT_CONFIG) from None
     keys = _keys_or_fail(args.keys)
-    ctx = zmq.asyncio.Context()
-    sock = secure_client(ctx.socket(zmq.DEALER), keys)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-    cancelled = asyncio.Event()
-    refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    watch: HandshakeWatch | None = None
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGINT, cancelled.set)
-    token = 1
-    # Unsent messages are dropped at close, except a Cancel, which must reach the master.
-    linger = 0
+    reading = asyncio.current_task()
+    assert reading is not None
+    interrupted = False
+
+    def interrupt() -> None:
+        nonlocal interrupted
+        interrupted = True
+        reading.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    deadline = loop.time() + args.timeout
     try:
-        try:
-            watch = HandshakeWatch(sock, args.master, keys, refused.set_result)
-            sock.connect(args.master)
-        except zmq.ZMQError as exc:
-            raise _Fail(f"--master {args.master!r}: {exc.strerror}", EXIT_CONFIG) from None
-        await sock.send(encode_message(Submit(token, args.input.encode())))
-        deadline = loop.time() + args.timeout
-        waiting = asyncio.ensure_future(cancelled.wait())
-        try:
-            while True:
-                receiving = asyncio.ensure_future(sock.recv())
-                watched: set[asyncio.Future[Any]] = {receiving, waiting, refused}
-                done, _ = await asyncio.wait(
-                    watched,
-                    timeout=max(0.0, deadline - loop.time()),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                if receiving not in done:
-                    receiving.cancel()
-                    if refused in done:
-                        raise _Fail(refused.result(), EXIT_START)
-                    if waiting in done:
-                        await sock.send(encode_message(Cancel(token)))
-                        linger = 1000
-                        console.print("interrupted: the request was cancelled")
-                        return EXIT_INTERRUPTED
-                    raise _Fail(
-                        f"the request did not end within {args.timeout:g}s: no answer from "
-                        f"the master at {args.master} (is `stagewire master` running there?) "
-                        "or it stopped answering; --timeout waits longer",
-                        EXIT_START,
-                    )
-                try:
-                    msg = _client_decoder.decode(receiving.result())
-                except msgspec.DecodeError:
-                    continue  # not for us; the master never sends anything else
-                if not isinstance(msg, Output | Finished) or msg.token != token:
-                    continue  # the master checking on us (Alive), or not ours
-                if isinstance(msg, Output):
-                    sys.stdout.write(msg.value.decode() + "\n")
-                    sys.stdout.flush()
-                    continue
-                if not msg.kind:
-                    return 0
-                code = EXIT_CONFIG if msg.kind in ("PayloadError", "ConfigError") else EXIT_FAILED
-                raise _Fail(f"{msg.kind}: {msg.error}", code)
-        finally:
-            waiting.cancel()
+        # Connecting has its own bound, and says so: no master answered, or it refused.
+        async with Pipeline.connect(
+            args.master, timeout=min(10.0, args.timeout), keys=keys.directory if keys else None
+        ) as pipe:
+            async with asyncio.timeout_at(deadline):
+                if pipe.source_type is not Any:
+                    try:
+                        value = msgspec.json.decode(args.input, type=pipe.source_type)
+                    except msgspec.ValidationError as exc:
+                        name = getattr(pipe.source_type, "__name__", "the source's type")
+                        raise PayloadError(f"the input is not a valid {name}: {exc}") from None
+                async with pipe.stream(value) as stream:
+                    async for chunk in stream:
+                        out = chunk.value if isinstance(chunk, SinkOutput) else chunk
+                        sys.stdout.write(to_json(out).decode() + "\n")
+                        sys.stdout.flush()
+        return 0
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
+        # Leaving the stream and the client cancelled the request at the master.
+        console.print("interrupted: the request was cancelled")
+        return EXIT_INTERRUPTED
+    except TimeoutError:
+        raise _Fail(
+            f"the request did not end within {args.timeout:g}s (the master at {args.master} "
+            "is slow, or stopped answering); --timeout waits longer",
+            EXIT_START,
+        ) from None
+    except MasterUnavailable as exc:
+        raise _Fail(str(exc), EXIT_START) from None
+    except PayloadError as exc:
+        raise _Fail(f"PayloadError: {exc}", EXIT_CONFIG) from None
+    except ConfigError as exc:
+        raise _Fail(f"--master {args.master!r}: {exc}", EXIT_CONFIG) from None
+    except PipelineError as exc:
+        raise _Fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED) from None
     finally:
         loop.remove_signal_handler(signal.SIGINT)
-        if watch is not None:
-            watch.stop()
-        sock.close(linger)
-        ctx.term()
-
-
-_client_decoder = msgspec.msgpack.Decoder(ControlToClient)
 
 
 def _keys(args: argparse.Namespace, console: Console) -> int:

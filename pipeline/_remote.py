@@ -212,6 +212,12 @@ class RemotePipeline:
         return list(self._welcomed().sources)
 
     @property
+    def source_type(self) -> Any:
+        """The source stage's input type, if it can be imported here; else ``Any``."""
+        self._welcomed()
+        return self._source_type
+
+    @property
     def sinks(self) -> list[str]:
         """The stages whose outputs come back."""
         return list(self._welcomed().sinks)
@@ -585,7 +591,6 @@ class RemotePipeline:
         """
         if self._closed:
             return
-        cancels = bool(self._calls) and self._sock is not None
         for call in list(self._calls.values()):
             self._end(
                 call,
@@ -604,7 +609,9 @@ class RemotePipeline:
             if self._monitor is not None:
                 self._sock.disable_monitor()
                 self._monitor.close(linger=0)
-            self._sock.close(linger=CANCEL_LINGER_MS if cancels else 0)
+            # Cancels sent just before (a stream left, then the client closed) must leave
+            # too: the linger holds only what has not left yet, and only that long.
+            self._sock.close(linger=CANCEL_LINGER_MS)
         ctx, self._ctx = self._ctx, None
         if self._watchdog is not None:
             await asyncio.gather(self._watchdog, return_exceptions=True)

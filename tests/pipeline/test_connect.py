@@ -374,7 +374,6 @@ async def test_a_batch_run_refuses_clients_and_a_starting_master_waits(
                "--input", '{"value": "a stall"}', err=err)
     ]  # fmt: skip
     try:
-
         await workers_announced(err)
         t0 = time.monotonic()
         with pytest.raises(PipelineError) as refusal:

@@ -51,7 +51,6 @@ async def test_a_run_with_external_workers_serves_them_and_shuts_them_down(
         )
     ]  # fmt: skip
     try:
-
         await workers_announced(err)
         text = err.read_text()
         found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica \d+)", text)
@@ -150,7 +149,6 @@ async def test_external_workers_on_two_hosts_refuse_an_edge_pinned_to_shm(tmp_pa
         _start("run", str(config), "--external-workers", "--input", '{"value": "a b"}', err=err)
     ]
     try:
-
         await workers_announced(err)
         found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica \d+)",
                            err.read_text())  # fmt: skip
@@ -186,7 +184,6 @@ async def test_a_worker_for_a_stage_the_pipeline_lacks_is_told_and_exits(tmp_pat
     run = _start("run", str(DEMO), "--external-workers", "--input", '{"value": "a"}', err=err)
     procs = [run]
     try:
-
         await workers_announced(err)
         master = re.search(r"--master (\S+)", err.read_text()).group(1)  # type: ignore[union-attr]
         for stage, replica in (("uper", "0"), ("upper", "3")):
@@ -275,7 +272,8 @@ async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_w
         boom = _submit(master, '{"value": "a boom"}')
         assert boom.returncode == 1 and "StageError" in boom.stderr, boom.stderr
         assert "relay refused 'boom'" in boom.stderr
-        # A bad input: exit code 2.
+        # A bad input: exit code 2 (refused before it is sent: this host has the stages'
+        # code, so submit knows the source's type; the master is not bothered).
         bad = _submit(master, '{"value": 7}')
         assert bad.returncode == 2 and "PayloadError" in bad.stderr, bad.stderr
         # Ctrl-C while the request streams: it is cancelled everywhere, exit 130.
@@ -305,7 +303,7 @@ async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_w
             assert await asyncio.to_thread(p.wait, 30) == 0
         summary = (tmp_path / "master.err").read_text()
         assert (
-            "served 5 requests (2 failed, 1 cancelled by their clients, 1 whose clients went "
+            "served 5 requests (1 failed, 1 cancelled by their clients, 1 whose clients went "
             "away)" in summary
         ), summary
     finally:
@@ -316,13 +314,13 @@ async def test_submit_without_a_master_exits_3_and_a_run_refuses_submissions(
     tmp_path: Path,
 ) -> None:
     nobody = _submit(f"tcp://127.0.0.1:{free_port()}", '{"value": "a"}', "--timeout", "1")
-    assert nobody.returncode == 3 and "no answer from the master" in nobody.stderr, nobody.stderr
+    assert nobody.returncode == 3, nobody.stderr
+    assert "no answer within 1s; check that `stagewire master` runs there" in nobody.stderr
     assert _submit("tcp://127.0.0.1:1", "not json").returncode == 2
     # A batch run's master answers a submission with a clear refusal, not silence.
     err = tmp_path / "run.err"
     run = _start("run", str(DEMO), "--external-workers", "--input", '{"value": "a"}', err=err)
     try:
-
         await workers_announced(err)
         endpoint = re.search(r"--master (\S+)", err.read_text()).group(1)  # type: ignore[union-attr]
         refused = _submit(endpoint, '{"value": "a"}', "--timeout", "20")
@@ -347,7 +345,8 @@ async def test_a_client_waiting_when_the_master_stops_is_told(tmp_path: Path) ->
         # Exit 1 (the request failed) at once, not 3 after its 60 s timeout.
         assert await asyncio.to_thread(stalled.wait, 30) == 1
         stalled.stdout.close()
-        assert "RequestAborted: the master stopped" in err.read_text()
+        text = err.read_text()
+        assert re.search(r"RequestAborted: request \S+ aborted: the master stopped", text), text
         assert await asyncio.to_thread(procs[0].wait, 60) == 0
     finally:
         kill_all(procs)
