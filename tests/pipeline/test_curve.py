@@ -31,6 +31,7 @@ from pipeline._keys import ChunkKey
 from pipeline._security import (
     KEYS_ENV,
     load_keys,
+    make_keys,
     process_keys,
     refused_count,
     secure_client,
@@ -138,6 +139,14 @@ def test_a_bad_key_directory_is_a_one_line_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="accessible by other users; run 'chmod 600"):
         load_keys(directory)
     secret.chmod(0o600)
+    # Others who may write the directory could replace the pair: refused, read or made.
+    directory.chmod(0o777)
+    with pytest.raises(ConfigError, match="writable by other users"):
+        load_keys(directory)
+    with pytest.raises(ConfigError, match="writable by other users"):
+        make_keys(directory, force=True)
+    directory.chmod(0o700)
+    load_keys(directory)
     secret.write_text("not a key file\n")
     with pytest.raises(ConfigError, match="not a CURVE key file"):
         load_keys(directory)
