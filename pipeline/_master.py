@@ -37,6 +37,7 @@ from pipeline._messages import (
     Finished,
     FromClient,
     Heartbeat,
+    Hello,
     Peer,
     Peers,
     PeerTable,
@@ -46,6 +47,7 @@ from pipeline._messages import (
     Shutdown,
     StatsReply,
     StatsRequest,
+    Submit,
 )
 from pipeline._messages import (
     encode_message as _encode,
@@ -272,7 +274,7 @@ class Master:
         if isinstance(msg, FromClient):
             if self.on_client is not None:
                 self.on_client(identity, msg)
-            elif not self.serves_clients:
+            elif not self.serves_clients and isinstance(msg, Submit | Hello):
                 # A master that will serve clients answers nothing until it does (its
                 # workers not all ready yet): a client says Hello again until its timeout.
                 self._send(

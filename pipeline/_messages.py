@@ -33,6 +33,7 @@ __all__ = (
     "Failed",
     "Finished",
     "FromClient",
+    "Grant",
     "Heartbeat",
     "Hello",
     "Output",
@@ -234,6 +235,9 @@ class Submit(_Msg, frozen=True, tag="submit"):
     wire: str = WIRE_JSON
     #: The input's out-of-band buffers (tensor and array bytes), for :data:`WIRE_CODEC`.
     buffers: list[bytearray] = []
+    #: Outputs the master may send before the client grants more (:class:`Grant`); 0
+    #: for no limit (a client that reads everything at once, as ``submit`` did).
+    window: int = 0
 
 
 class Cancel(_Msg, frozen=True, tag="cancel"):
@@ -254,11 +258,28 @@ class Hello(_Msg, frozen=True, tag="hello"):
     token: int = 0
 
 
+class Grant(_Msg, frozen=True, tag="grant"):
+    """A remote client has read outputs of request ``token``: the master may send up to
+    ``allowed`` in all (cumulative, so a repeated or late grant changes nothing)."""
+
+    token: int
+    allowed: int
+
+
 #: What a remote client sends; the master hands it to its client server, if it has one.
-FromClient = Submit | Cancel | Hello
+FromClient = Submit | Cancel | Hello | Grant
 
 ControlToMaster = (
-    Register | Ready | SetupFailed | Heartbeat | Failed | StatsReply | Submit | Cancel | Hello
+    Register
+    | Ready
+    | SetupFailed
+    | Heartbeat
+    | Failed
+    | StatsReply
+    | Submit
+    | Cancel
+    | Hello
+    | Grant
 )
 
 

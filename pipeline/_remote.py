@@ -62,6 +62,8 @@ from pipeline._messages import (
     Cancel,
     ControlToClient,
     Finished,
+    FromClient,
+    Grant,
     Hello,
     Output,
     Started,
@@ -85,6 +87,10 @@ HELLO_INTERVAL_S = 0.25
 #: With requests in flight, the client pings when it has heard nothing for this long (or a
 #: quarter of its ``timeout``, if shorter).
 PING_AFTER_S = 2.0
+#: Outputs of one request the master may send ahead of what the client has read: the
+#: client grants more as it reads (half a window at a time), so a slow reader holds the
+#: request at the master and nothing piles up on either side.
+REMOTE_WINDOW = 64
 #: How long closing waits for its ``Cancel`` messages to leave.
 CANCEL_LINGER_MS = 500
 
@@ -327,7 +333,7 @@ class RemotePipeline:
 
     # ---- the socket ----------------------------------------------------------------------
 
-    def _send(self, msg: Submit | Cancel | Hello) -> None:
+    def _send(self, msg: FromClient) -> None:
         sock = self._sock
         if sock is None or self._closed:
             raise RuntimeError("the remote pipeline is closed")
@@ -438,12 +444,20 @@ class RemotePipeline:
         now = asyncio.get_running_loop().time()
         timeout = welcome.request_timeout
         call = Call(token, now, now + timeout + self.timeout if timeout > 0 else None)
+        call.granted = REMOTE_WINDOW
         # msgspec writes any buffer (a memoryview of a tensor's memory) as bytes.
         buffers = cast("list[bytearray]", list(encoded.buffers))
-        self._send(Submit(token, encoded.header, WIRE_CODEC, buffers))
+        self._send(Submit(token, encoded.header, WIRE_CODEC, buffers, window=REMOTE_WINDOW))
         self._calls[token] = call
         self.counts["submitted"] += 1
         return call
+
+    def _read_one(self, call: Call) -> None:
+        """The reader took one output of ``call``: grant more once half a window is read."""
+        call.read += 1
+        if call.granted - call.read <= REMOTE_WINDOW // 2 and self._calls.get(call.token) is call:
+            call.granted = call.read + REMOTE_WINDOW
+            self._send(Grant(call.token, call.granted))
 
     def _decode_output(self, msg: Output) -> Any:
         """An output chunk's value, typed where the sink's type is known here.

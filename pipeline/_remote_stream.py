@@ -60,6 +60,9 @@ class Call:
         default_factory=asyncio.Queue
     )
     request_id: str | None = None
+    #: Outputs read by the client so far, and how many the master may send in all.
+    read: int = 0
+    granted: int = 0
 
 
 class RemoteResponseStream:
@@ -160,6 +163,7 @@ class RemoteResponseStream:
                 if isinstance(item, Started):
                     continue
                 if isinstance(item, Output):
+                    self._pipe._read_one(call)
                     return self._pipe._decode_output(item)
                 self._ended = True
                 if isinstance(item, PipelineError):

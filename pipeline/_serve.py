@@ -43,6 +43,7 @@ from pipeline._messages import (
     Cancel,
     Finished,
     FromClient,
+    Grant,
     Hello,
     Output,
     Started,
@@ -116,6 +117,10 @@ class ClientServer:
         self._by_client: set[tuple[bytes, int]] = set()
         #: Requests whose client is no longer connected.
         self._gone: set[tuple[bytes, int]] = set()
+        #: Outputs each flow-controlled request may send in all, as its client granted.
+        self._allowed: dict[tuple[bytes, int], int] = {}
+        #: Set when a client grants more; cleared by the request that waits on it.
+        self._more: dict[tuple[bytes, int], asyncio.Event] = {}
         self._checker: asyncio.Task[None] | None = None
         self.served = 0
         self.failed = 0
@@ -152,6 +157,11 @@ class ClientServer:
             self._master.send_client(identity, self._welcome)
             return
         key = (identity, msg.token)
+        if isinstance(msg, Grant):
+            if key in self._allowed:
+                self._allowed[key] = max(self._allowed[key], msg.allowed)
+                self._more[key].set()
+            return
         if isinstance(msg, Cancel):
             task = self._tasks.get(key)
             if task is not None:
@@ -160,12 +170,17 @@ class ClientServer:
             return
         if key in self._tasks:
             return  # a resend of a request already running
+        if msg.window > 0:
+            self._allowed[key] = msg.window
+            self._more[key] = asyncio.Event()
         task = asyncio.get_running_loop().create_task(self._serve(identity, msg))
         self._tasks[key] = task
         task.add_done_callback(lambda _: self._forget(key))
 
     def _forget(self, key: tuple[bytes, int]) -> None:
         self._tasks.pop(key, None)
+        self._allowed.pop(key, None)
+        self._more.pop(key, None)
         self._gone.discard(key)
         self._by_client.discard(key)
 
@@ -217,7 +232,16 @@ class ClientServer:
             )
         return Output(token, sink, header, buffers)
 
+    async def _credit(self, key: tuple[bytes, int], sent: int) -> None:
+        """Wait until the request's client has granted more than ``sent`` outputs (at once
+        for a request without a window)."""
+        while sent >= self._allowed.get(key, sent + 1):
+            more = self._more[key]
+            more.clear()
+            await more.wait()
+
     async def _serve(self, identity: bytes, msg: Submit) -> None:
+        key = (identity, msg.token)
         request_id = ""
 
         def send(identity: bytes, answer: Output | Started | Finished) -> None:
@@ -231,11 +255,16 @@ class ClientServer:
                 request_id = stream.request_id or ""
                 if msg.wire == WIRE_CODEC:
                     send(identity, Started(msg.token, request_id))
+                sent = 0
                 async for chunk in stream:
+                    # A client that reads slowly holds the request here, and so, through
+                    # the pipeline's own windows, its stages: nothing piles up for it.
+                    await self._credit(key, sent)
                     if isinstance(chunk, SinkOutput):
                         send(identity, self._output(msg.token, chunk.stage, chunk.value, msg.wire))
                     else:
                         send(identity, self._output(msg.token, self._sinks[0], chunk, msg.wire))
+                    sent += 1
         except asyncio.CancelledError:
             if (identity, msg.token) in self._gone:
                 self._gone.discard((identity, msg.token))

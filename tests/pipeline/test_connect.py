@@ -38,6 +38,7 @@ from pipeline import (
 )
 from pipeline._codec import codec_for
 from pipeline._messages import WIRE_CODEC, ControlToClient, Finished, Submit, encode_message
+from pipeline._remote import REMOTE_WINDOW
 from stages.text import Text, Token
 from tests.pipeline.conftest import wait_for, workers_announced
 from tests.pipeline.tensor_stages import FACTORS, Frame
@@ -216,6 +217,30 @@ async def test_stream_yields_each_chunk_in_order_with_the_masters_request_id(
     relayed = [c.value for c in chunks if c.stage == "relay"]
     assert relayed == [Token(k, w) for k, w in enumerate(words)]
     assert [c.value for c in chunks if c.stage == "count"] == [Text("40")]
+
+
+async def test_a_slow_reader_holds_its_request_at_the_master(remote: RemotePipeline) -> None:
+    """The master sends a request's outputs only as far as its client has granted (a
+    window, renewed as the client reads): a client that stops reading holds the stream at
+    the master, nothing piles up in its queue, and every chunk still comes, in order."""
+    n = 20 * REMOTE_WINDOW
+    words = [f"s{k}" for k in range(n)]
+    async with remote.stream(Text(" ".join(words))) as stream:
+        first = await anext(stream)
+        call = stream._call
+        assert call is not None
+        # The master sent what the first grant allows, and then no more while we wait.
+        await wait_for(lambda: call.queue.qsize() >= REMOTE_WINDOW - 1)
+
+        async def grows() -> bool:
+            return call.queue.qsize() > REMOTE_WINDOW
+
+        with pytest.raises(TimeoutError):
+            await wait_for(grows, timeout=1.0)
+        rest = [chunk async for chunk in stream]
+    relayed = [c.value for c in [first, *rest] if c.stage == "relay"]
+    assert relayed == [Token(k, w) for k, w in enumerate(words)]
+    assert [c.value for c in [first, *rest] if c.stage == "count"] == [Text(str(n))]
 
 
 async def test_fifty_concurrent_requests_over_one_connection_get_their_own_outputs(
