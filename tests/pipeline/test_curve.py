@@ -337,3 +337,37 @@ def test_a_server_whose_handler_is_gone_admits_nobody(keys: Path) -> None:
     ended = threading.Event()
     threading.Thread(target=lambda: (ctx.term(), ended.set()), daemon=True).start()
     assert ended.wait(10), "ctx.term() hung on the handler's socket"
+
+
+async def test_workers_on_hosts_of_their_own_move_data_over_curve(
+    keys: Path, tmp_path: Path
+) -> None:
+    """Each worker as if on a host of its own (distinct host identities: no same-host links,
+    no shm), so every chunk crosses a ZeroMQ data socket, each one secured with the pair."""
+    err, out = tmp_path / "run.err", tmp_path / "run.out"
+    inputs = ROOT / "configs" / "demo-inputs.jsonl"
+    procs = [
+        start_stagewire(
+            "run", str(DEMO), "--external-workers", "--bind", f"tcp://127.0.0.1:{free_port()}",
+            "--keys", str(keys), "--input-file", str(inputs), "--requests", "30",
+            "--print-outputs", err=err, out=out, env=_env(),
+        )
+    ]  # fmt: skip
+    try:
+        text = await workers_announced(err)
+        commands = re.findall(r"stagewire worker (--master .*--keys \S+)", text)
+        assert len(commands) == 3, text
+        for i, command in enumerate(commands):
+            procs.append(
+                start_stagewire(
+                    "worker", *command.split(), "--headless", err=tmp_path / f"w{i}.err",
+                    env=_env(STAGEWIRE_HOST_ID=f"host-{i}"),
+                )
+            )  # fmt: skip
+        assert await asyncio.to_thread(procs[0].wait, 120) == 0, err.read_text()
+        assert "30/30 requests ok" in err.read_text()
+        assert len(out.read_text().splitlines()) == 30
+        for p in procs[1:]:
+            assert await asyncio.to_thread(p.wait, 30) == 0, p.args
+    finally:
+        kill_all(procs)
