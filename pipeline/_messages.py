@@ -45,6 +45,8 @@ __all__ = (
     "SetupFailed",
     "Shutdown",
     "Started",
+    "StatsAnswer",
+    "StatsAsk",
     "StatsReply",
     "StatsRequest",
     "Submit",
@@ -266,8 +268,15 @@ class Grant(_Msg, frozen=True, tag="grant"):
     allowed: int
 
 
+class StatsAsk(_Msg, frozen=True, tag="stats_ask"):
+    """A remote client asks for the pipeline's statistics, as ``Pipeline.statistics``
+    gives them at the master (its client side and every replica's counters)."""
+
+    token: int
+
+
 #: What a remote client sends; the master hands it to its client server, if it has one.
-FromClient = Submit | Cancel | Hello | Grant
+FromClient = Submit | Cancel | Hello | Grant | StatsAsk
 
 ControlToMaster = (
     Register
@@ -280,6 +289,7 @@ ControlToMaster = (
     | Cancel
     | Hello
     | Grant
+    | StatsAsk
 )
 
 
@@ -420,7 +430,14 @@ class Alive(_Msg, frozen=True, tag="alive"):
     to one that went away fails at once); for the client, a sign the master is there."""
 
 
-ControlToClient = Welcome | Started | Output | Finished | Alive
+class StatsAnswer(_Msg, frozen=True, tag="stats_answer"):
+    """The answer to :class:`StatsAsk` ``token``."""
+
+    token: int
+    stats: dict[str, Any]
+
+
+ControlToClient = Welcome | Started | Output | Finished | Alive | StatsAnswer
 
 
 # ---- what a data socket accepts -----------------------------------------------------------

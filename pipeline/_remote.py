@@ -67,6 +67,8 @@ from pipeline._messages import (
     Hello,
     Output,
     Started,
+    StatsAnswer,
+    StatsAsk,
     Submit,
     Welcome,
     encode_message,
@@ -185,6 +187,8 @@ class RemotePipeline:
         self._calls: dict[int, Call] = {}
         self._by_id: dict[str, Call] = {}
         self._tokens = itertools.count(1)
+        self._stats_tokens = itertools.count(1)
+        self._stats_asked: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._heard = 0.0
         self._pinged = 0.0
         #: Whether ZMQ holds a connection to the master now.
@@ -395,6 +399,11 @@ class RemotePipeline:
             return
         if isinstance(msg, Alive):
             return  # the master checking on us: being heard from is all it says
+        if isinstance(msg, StatsAnswer):
+            asked = self._stats_asked.get(msg.token)
+            if asked is not None and not asked.done():
+                asked.set_result(msg.stats)
+            return
         if msg.token == 0:
             if isinstance(msg, Finished) and self._welcome is None:
                 self._refusals.append((self._heard, msg.error or msg.kind))
@@ -540,18 +549,35 @@ class RemotePipeline:
         return True
 
     async def statistics(self) -> dict[str, Any]:
-        """Counters of this client: requests by outcome, those in flight, garbage received;
-        and the master's payload types that decode untyped here.
+        """Counters of this client (requests by outcome, those in flight, garbage received),
+        the master's payload types that decode untyped here, and under ``master`` what
+        :meth:`Pipeline.statistics` gives at the master: its client side and every
+        replica's counters.
 
         Raises:
+            MasterUnavailable: the master did not answer within ``timeout``.
             RuntimeError: the client is not connected.
         """
         welcome = self._welcomed()
+        token = next(self._stats_tokens)
+        answer = asyncio.get_running_loop().create_future()
+        self._stats_asked[token] = answer
+        try:
+            self._send(StatsAsk(token))
+            async with asyncio.timeout(self.timeout):
+                master = await answer
+        except TimeoutError:
+            raise MasterUnavailable(
+                self.endpoint, f"no statistics within {self.timeout:g}s"
+            ) from None
+        finally:
+            self._stats_asked.pop(token, None)
         return {
             "endpoint": self.endpoint,
             "pipeline": welcome.pipeline,
             "client": {**self.counts, "active": len(self._calls)},
             "untyped": list(self._untyped),
+            "master": master,
         }
 
     # ---- liveness ------------------------------------------------------------------------

@@ -47,6 +47,8 @@ from pipeline._messages import (
     Hello,
     Output,
     Started,
+    StatsAnswer,
+    StatsAsk,
     Submit,
     Welcome,
 )
@@ -122,6 +124,8 @@ class ClientServer:
         #: Set when a client grants more; cleared by the request that waits on it.
         self._more: dict[tuple[bytes, int], asyncio.Event] = {}
         self._checker: asyncio.Task[None] | None = None
+        #: Statistics being gathered for clients (from every replica: a moment).
+        self._asked: set[asyncio.Task[None]] = set()
         self.served = 0
         self.failed = 0
         self.cancelled = 0
@@ -155,6 +159,11 @@ class ClientServer:
     def _on_client(self, identity: bytes, msg: FromClient) -> None:
         if isinstance(msg, Hello):
             self._master.send_client(identity, self._welcome)
+            return
+        if isinstance(msg, StatsAsk):
+            asking = asyncio.get_running_loop().create_task(self._answer_stats(identity, msg))
+            self._asked.add(asking)
+            asking.add_done_callback(self._asked.discard)
             return
         key = (identity, msg.token)
         if isinstance(msg, Grant):
@@ -232,6 +241,10 @@ class ClientServer:
             )
         return Output(token, sink, header, buffers)
 
+    async def _answer_stats(self, identity: bytes, msg: StatsAsk) -> None:
+        stats = await self._pipe.statistics()
+        self._master.send_client(identity, StatsAnswer(msg.token, stats))
+
     async def _credit(self, key: tuple[bytes, int], sent: int) -> None:
         """Wait until the request's client has granted more than ``sent`` outputs (at once
         for a request without a window)."""
@@ -303,7 +316,7 @@ class ClientServer:
         if self._checker is not None:
             self._checker.cancel()
             await asyncio.gather(self._checker, return_exceptions=True)
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._asked]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

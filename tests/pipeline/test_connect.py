@@ -256,9 +256,16 @@ async def test_fifty_concurrent_requests_over_one_connection_get_their_own_outpu
             "relay": Token(len(words) - 1, words[-1]),
             "count": Text(str(len(words))),
         }
-    after = (await remote.statistics())["client"]
+    stats = await remote.statistics()
+    after = stats["client"]
     assert after["completed"] - before["completed"] == 50
     assert after["active"] == 0 and after["garbage"] == 0
+    # And what the embedded pipeline's statistics give, from the master: its client side
+    # and every replica's counters.
+    master = stats["master"]
+    assert master["client"]["completed"] >= 50 and master["garbage"] == 0
+    assert sorted(r["stage"] for r in master["replicas"]) == ["count", "relay", "tokens"]
+    assert all(r["completed"] >= 50 for r in master["replicas"])
 
 
 async def test_a_stage_error_fails_only_that_request_with_the_embedded_error(
