@@ -139,7 +139,8 @@ class RemotePipeline:
 
     Made by :meth:`Pipeline.connect`; use as ``async with``. Its ``submit``, ``stream``
     and ``abort`` are the embedded :class:`Pipeline`'s, with the same results and the same
-    exceptions; ``statistics`` counts this client's side only (no per-replica figures).
+    exceptions; ``statistics`` gives this client's counters, and the embedded pipeline's
+    statistics at the master under ``master``.
 
     Attributes:
         endpoint: the master's control endpoint.
