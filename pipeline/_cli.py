@@ -52,7 +52,7 @@ from pipeline._security import (
     make_keys,
     resolve_keys,
 )
-from pipeline._serve import ClientServer, to_json
+from pipeline._serve import ClientServer
 
 __all__ = ("EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_START", "main")
 
@@ -62,6 +62,20 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_START = 3
 EXIT_INTERRUPTED = 130
+
+
+def _json_default(obj: Any) -> Any:
+    """Summarise what JSON cannot hold (tensors, arrays, bytes) instead of failing."""
+    shape = getattr(obj, "shape", None)
+    if shape is not None:
+        return {"dtype": str(getattr(obj, "dtype", "?")), "shape": list(shape)}
+    if isinstance(obj, bytes | bytearray | memoryview):
+        return {"bytes": len(obj)}
+    raise NotImplementedError(type(obj).__name__)
+
+
+#: An output as JSON bytes, tensors and arrays summarised.
+to_json = msgspec.json.Encoder(enc_hook=_json_default).encode
 
 
 class _Fail(Exception):

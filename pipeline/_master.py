@@ -27,6 +27,7 @@ from pipeline._host import host_identity
 from pipeline._keys import CLIENT
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._messages import (
+    MAX_CONTROL_MESSAGE,
     Abort,
     Admit,
     Assignment,
@@ -57,7 +58,7 @@ from pipeline._pulse import pulse_identity
 from pipeline._security import CurveKeys, secure_server, stop_guard
 from pipeline._signature import EdgePlan, PipelinePlan
 from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
-from pipeline._worker import MAX_CONTROL_MESSAGE, MAX_DATA_MESSAGE
+from pipeline._worker import MAX_DATA_MESSAGE
 from transports._liveness import local_pid, pid_namespace
 from transports._registry import AUTO, resolve_transport
 

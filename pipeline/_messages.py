@@ -10,13 +10,12 @@ from typing import Any
 
 import msgspec
 
-from pipeline._errors import FailureInfo
+from pipeline._errors import FailureInfo, PayloadError
 
 __all__ = (
-    "ENVELOPE_BYTES",
+    "MAX_CONTROL_MESSAGE",
     "NO_DESCRIPTOR",
     "WIRE_CODEC",
-    "WIRE_JSON",
     "Abort",
     "Admit",
     "Alive",
@@ -51,6 +50,7 @@ __all__ = (
     "StatsRequest",
     "Submit",
     "Welcome",
+    "check_client_payload",
     "decode_batch",
     "encode_batch",
     "encode_message",
@@ -218,10 +218,25 @@ class StatsReply(_Msg, frozen=True, tag="stats"):
 #: tag, token, the sink's name, msgpack lengths), generously: a payload within
 #: ``MAX_CONTROL_MESSAGE - ENVELOPE_BYTES`` always fits one message.
 ENVELOPE_BYTES = 64 * 1024
+#: Largest control message a socket accepts, in bytes.
+MAX_CONTROL_MESSAGE = 64 * 1024 * 1024
 
-#: How a client's input and outputs travel (:attr:`Submit.wire`): JSON, tensors and arrays
-#: in outputs summarised by dtype and shape (``stagewire submit``).
-WIRE_JSON = "json"
+
+def check_client_payload(nbytes: int, what: str) -> None:
+    """Refuse ``what`` (a remote client's input, or an output for it) that one control
+    message cannot carry.
+
+    Raises:
+        PayloadError: ``nbytes`` is past the limit; the message says what to do instead.
+    """
+    limit = MAX_CONTROL_MESSAGE - ENVELOPE_BYTES
+    if nbytes > limit:
+        raise PayloadError(
+            f"{what} is {nbytes} bytes, more than a remote client can be sent or send in one "
+            f"message ({limit}); pass large data by reference (a path or URL) instead"
+        )
+
+
 #: The payload codec's msgpack header, tensors and arrays as out-of-band buffers beside
 #: it (:class:`~pipeline.RemotePipeline`): typed values, never pickled.
 WIRE_CODEC = "codec"
@@ -232,10 +247,10 @@ class Submit(_Msg, frozen=True, tag="submit"):
 
     #: The client's own number for the request (from 1), echoed in every answer.
     token: int
-    #: JSON (:data:`WIRE_JSON`), or the codec's header (:data:`WIRE_CODEC`).
+    #: The codec's header (:data:`WIRE_CODEC`, the only form so far).
     input: bytes
-    wire: str = WIRE_JSON
-    #: The input's out-of-band buffers (tensor and array bytes), for :data:`WIRE_CODEC`.
+    wire: str = WIRE_CODEC
+    #: The input's out-of-band buffers (tensor and array bytes).
     buffers: list[bytearray] = []
     #: Outputs the master may send before the client grants more (:class:`Grant`); 0
     #: for no limit (a client that reads everything at once, as ``submit`` did).
@@ -395,21 +410,21 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
 
 
 class Started(_Msg, frozen=True, tag="started"):
-    """A :data:`WIRE_CODEC` client's request ``token`` was admitted as ``request_id``."""
+    """A remote client's request ``token`` was admitted as ``request_id``."""
 
     token: int
     request_id: str
 
 
 class Output(_Msg, frozen=True, tag="output"):
-    """One output chunk of a remote client's request, in the request's ``wire``."""
+    """One output chunk of a remote client's request, encoded by the sink's codec."""
 
     token: int
     #: The sink that produced it.
     stage: str
-    #: JSON, tensors summarised (:data:`WIRE_JSON`), or the codec's header (:data:`WIRE_CODEC`).
+    #: The codec's header.
     value: bytes
-    #: The value's out-of-band buffers, for :data:`WIRE_CODEC`.
+    #: The value's out-of-band buffers.
     buffers: list[bytearray] = []
 
 

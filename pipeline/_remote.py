@@ -56,7 +56,7 @@ from pipeline._errors import (
 )
 from pipeline._logging import configure_logging
 from pipeline._messages import (
-    ENVELOPE_BYTES,
+    MAX_CONTROL_MESSAGE,
     WIRE_CODEC,
     Alive,
     Cancel,
@@ -71,13 +71,13 @@ from pipeline._messages import (
     StatsAsk,
     Submit,
     Welcome,
+    check_client_payload,
     encode_message,
 )
 from pipeline._remote_stream import Call, RemoteResponseStream
 from pipeline._security import HANDSHAKE_FAILED, CurveKeys, resolve_keys, secure_client
 from pipeline._sockets import HandshakeJudge, SocketReader, for_endpoint
 from pipeline._type_paths import import_type
-from pipeline._worker import MAX_CONTROL_MESSAGE
 
 __all__ = ("RemotePipeline", "RemoteResponseStream")
 
@@ -443,13 +443,7 @@ class RemotePipeline:
                 f"got {type(value).__name__}"
             )
         encoded = to_host(self._source_codec.encode(value))
-        limit = MAX_CONTROL_MESSAGE - ENVELOPE_BYTES
-        if encoded.nbytes > limit:
-            raise PayloadError(
-                f"the input is {encoded.nbytes} bytes encoded, more than one message to a "
-                f"remote master carries ({limit}); pass large data by reference (a path or "
-                "URL) instead"
-            )
+        check_client_payload(encoded.nbytes, "the input, encoded,")
         token = next(self._tokens)
         now = asyncio.get_running_loop().time()
         timeout = welcome.request_timeout

@@ -262,7 +262,6 @@ class _Guard(threading.Thread):
         self._rep.setsockopt(zmq.LINGER, 0)
         self._rep.bind(_ZAP_ENDPOINT)
         self._stopping = threading.Event()
-        self.admitted = 0
         self.refused = 0
         self._refused_from: set[bytes] = set()
         self.start()
@@ -304,9 +303,7 @@ class _Guard(threading.Thread):
         version, request_id, _domain, address, _identity, mechanism = frames[:6]
         credentials = frames[6:]
         ok = mechanism == b"CURVE" and len(credentials) == 1 and credentials[0] == self._public
-        if ok:
-            self.admitted += 1
-        else:
+        if not ok:
             self.refused += 1
             if address not in self._refused_from and len(self._refused_from) < 1024:
                 self._refused_from.add(address)

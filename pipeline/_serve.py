@@ -6,16 +6,13 @@ control endpoint; the master runs the request as an embedded client would
 output chunk, as it arrives, then :class:`~pipeline._messages.Finished`. A
 :class:`~pipeline._messages.Cancel` aborts the request in every stage.
 
-A request travels in one of two wire forms, as its ``Submit`` says:
-
-- **JSON** (``stagewire submit``): the input is JSON, and outputs are JSON with tensors and
-  arrays summarised by dtype and shape: a command-line client reads results.
-- **codec** (:class:`~pipeline.RemotePipeline`): the input and every output are encoded by
-  the payload codec, tensors and arrays as out-of-band buffers carried in the same
-  message, so the client gets typed values (Structs holding tensors). Such a client first
-  says :class:`~pipeline._messages.Hello` and is answered
-  :class:`~pipeline._messages.Welcome` (the pipeline's sources, sinks and payload types, by
-  import path), and it learns each request's id (:class:`~pipeline._messages.Started`).
+The input and every output are encoded by the payload codec, tensors and arrays as
+out-of-band buffers carried in the same message, so the client
+(:class:`~pipeline.RemotePipeline`, which ``stagewire submit`` uses too) gets typed values
+(Structs holding tensors). A client first says :class:`~pipeline._messages.Hello` and is
+answered :class:`~pipeline._messages.Welcome` (the pipeline's sources, sinks and payload
+types, by import path), and it learns each request's id
+(:class:`~pipeline._messages.Started`).
 
 Nothing is ever pickled; a payload too large for one control message fails its request
 with a :class:`PayloadError` instead of being dropped.
@@ -27,7 +24,6 @@ import asyncio
 import os
 from typing import Any, cast
 
-import msgspec
 import structlog
 
 from pipeline._api import Pipeline, SinkOutput
@@ -36,9 +32,7 @@ from pipeline._encoded import Encoded, to_host
 from pipeline._errors import FailureInfo, PayloadError, PipelineError, describe_failure
 from pipeline._keys import CLIENT
 from pipeline._messages import (
-    ENVELOPE_BYTES,
     WIRE_CODEC,
-    WIRE_JSON,
     Alive,
     Cancel,
     Finished,
@@ -51,30 +45,16 @@ from pipeline._messages import (
     StatsAsk,
     Submit,
     Welcome,
+    check_client_payload,
 )
 from pipeline._type_paths import type_path
-from pipeline._worker import MAX_CONTROL_MESSAGE
 
-__all__ = ("CLIENT_CHECK_S", "ClientServer", "to_json")
+__all__ = ("CLIENT_CHECK_S", "ClientServer")
 
 #: How often the master checks that the clients with requests in flight are still there.
 CLIENT_CHECK_S = 2.0
 
 log = structlog.get_logger("stagewire.serve")
-
-
-def _json_default(obj: Any) -> Any:
-    """Summarise what JSON cannot hold (tensors, arrays, bytes) instead of failing."""
-    shape = getattr(obj, "shape", None)
-    if shape is not None:
-        return {"dtype": str(getattr(obj, "dtype", "?")), "shape": list(shape)}
-    if isinstance(obj, bytes | bytearray | memoryview):
-        return {"bytes": len(obj)}
-    raise NotImplementedError(type(obj).__name__)
-
-
-#: An output as JSON bytes, tensors and arrays summarised.
-to_json = msgspec.json.Encoder(enc_hook=_json_default).encode
 
 
 class ClientServer:
@@ -205,41 +185,24 @@ class ClientServer:
                 f"submit takes one input, but this pipeline has several sources: "
                 f"{self._pipe.plan.sources}"
             )
-        if msg.wire == WIRE_CODEC:
-            return codec_for(tp).decode(Encoded(msg.input, tuple(msg.buffers)))
-        if msg.wire != WIRE_JSON:
+        if msg.wire != WIRE_CODEC:
             raise PayloadError(
-                f"unknown wire form {msg.wire!r}: this master takes {WIRE_JSON!r} and "
-                f"{WIRE_CODEC!r}; upgrade it or the client to the same stagewire"
+                f"unknown wire form {msg.wire!r}: this master takes {WIRE_CODEC!r}; "
+                "upgrade it or the client to the same stagewire"
             )
-        try:
-            return msgspec.json.decode(msg.input, type=tp)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            name = getattr(tp, "__name__", str(tp))
-            raise PayloadError(f"the input is not a valid {name}: {exc}") from None
+        return codec_for(tp).decode(Encoded(msg.input, tuple(msg.buffers)))
 
-    def _output(self, token: int, sink: str, value: Any, wire: str) -> Output:
-        """One output chunk in the request's wire form.
+    def _output(self, token: int, sink: str, value: Any) -> Output:
+        """One output chunk, encoded by the sink's codec.
 
         Raises:
             PayloadError: it cannot be encoded, or it is too large for one control message.
         """
-        if wire == WIRE_CODEC:
-            encoded = to_host(self._codecs[sink].encode(value))
-            header, size = encoded.header, encoded.nbytes
-            # msgspec writes any buffer (a memoryview of a tensor's memory, here) as bytes,
-            # which is what the field's bytearray decodes from.
-            buffers = cast("list[bytearray]", list(encoded.buffers))
-        else:
-            header, buffers = to_json(value), []
-            size = len(header)
-        if size > MAX_CONTROL_MESSAGE - ENVELOPE_BYTES:
-            raise PayloadError(
-                f"an output of stage {sink!r} is {size} bytes, more than a remote client can "
-                f"be sent in one message ({MAX_CONTROL_MESSAGE - ENVELOPE_BYTES}); return "
-                "large data by reference (a path or URL) instead"
-            )
-        return Output(token, sink, header, buffers)
+        encoded = to_host(self._codecs[sink].encode(value))
+        check_client_payload(encoded.nbytes, f"an output of stage {sink!r}")
+        # msgspec writes any buffer (a memoryview of a tensor's memory, here) as bytes,
+        # which is what the field's bytearray decodes from.
+        return Output(token, sink, encoded.header, cast("list[bytearray]", list(encoded.buffers)))
 
     async def _answer_stats(self, identity: bytes, msg: StatsAsk) -> None:
         stats = await self._pipe.statistics()
@@ -266,17 +229,16 @@ class ClientServer:
             value = self._input(msg)
             async with self._pipe.stream(value) as stream:
                 request_id = stream.request_id or ""
-                if msg.wire == WIRE_CODEC:
-                    send(identity, Started(msg.token, request_id))
+                send(identity, Started(msg.token, request_id))
                 sent = 0
                 async for chunk in stream:
                     # A client that reads slowly holds the request here, and so, through
                     # the pipeline's own windows, its stages: nothing piles up for it.
                     await self._credit(key, sent)
                     if isinstance(chunk, SinkOutput):
-                        send(identity, self._output(msg.token, chunk.stage, chunk.value, msg.wire))
+                        send(identity, self._output(msg.token, chunk.stage, chunk.value))
                     else:
-                        send(identity, self._output(msg.token, self._sinks[0], chunk, msg.wire))
+                        send(identity, self._output(msg.token, self._sinks[0], chunk))
                     sent += 1
         except asyncio.CancelledError:
             if (identity, msg.token) in self._gone:

@@ -35,6 +35,7 @@ from pipeline._host import host_identity
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._logging import configure_logging
 from pipeline._messages import (
+    MAX_CONTROL_MESSAGE,
     Abort,
     Admit,
     Assignment,
@@ -84,8 +85,6 @@ class Refused(Exception):
 
 EXIT_SETUP_FAILED = 3
 EXIT_MASTER_LOST = 4
-#: Largest control message accepted, in bytes.
-MAX_CONTROL_MESSAGE = 64 * 1024 * 1024
 #: Largest data message accepted, in bytes.
 MAX_DATA_MESSAGE = 1 << 30
 
