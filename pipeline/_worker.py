@@ -31,7 +31,7 @@ from pipeline._actor import StageActor
 from pipeline._config import PipelineSpec
 from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import ConfigError, FailureInfo
-from pipeline._host import host_identity
+from pipeline._host import address_toward, host_identity, is_wildcard, tcp_endpoint
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._logging import configure_logging
 from pipeline._messages import (
@@ -130,7 +130,7 @@ class _Worker:
         self.inbox.setsockopt(zmq.RCVHWM, 0)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_MESSAGE)
-        self.endpoint = bind_ephemeral(self.inbox, f"tcp://{bind_host}:0")
+        self.endpoint = bind_ephemeral(self.inbox, tcp_endpoint(bind_host, 0))
         self.outbox = Outbox(self.zctx, keys)
         #: Same-host peers send here instead of to ``inbox``; read once the actor exists.
         self.local: LocalListener | None = None
@@ -371,15 +371,18 @@ async def run_worker(
     stage: str,
     replica: int = 0,
     *,
-    bind_host: str = "127.0.0.1",
+    bind_host: str | None = None,
     connect_timeout: float = 300.0,
 ) -> int:
     """Serve one replica of ``stage`` for the master at ``master``; returns an exit code.
 
+    The data port binds ``bind_host``; by default this host's address toward the master.
+
     Raises:
-        Nothing: failures end in an exit code (3 setup failed, 4 master lost).
+        OSError: no ``bind_host`` given, and the master's host does not resolve.
+        zmq.ZMQError: ``bind_host`` is not an address of this host.
     """
-    worker = _Worker(master, stage, replica, bind_host)
+    worker = _Worker(master, stage, replica, bind_host or address_toward(master))
     try:
         return await worker.serve(connect_timeout)
     finally:
@@ -393,7 +396,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--master", required=True, help="the master's control endpoint")
     p.add_argument("--stage", required=True, help="the stage this worker serves")
     p.add_argument("--replica", type=int, default=0, help="the replica index (default 0)")
-    p.add_argument("--bind-host", default="127.0.0.1", help="address for the data port")
+    p.add_argument(
+        "--bind-host",
+        default=None,
+        metavar="ADDRESS",
+        help="the address this host's peers reach its data port at "
+        "(default: this host's address toward the master)",
+    )
     p.add_argument(
         "--connect-timeout", type=float, default=300.0, help="seconds to reach the master"
     )
@@ -416,6 +425,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.master.startswith(("tcp://", "ipc://")):
         p.error(f"--master {args.master!r} is not a control endpoint (tcp://HOST:PORT)")
+    if args.bind_host is not None and is_wildcard(args.bind_host):
+        p.error(
+            f"--bind-host {args.bind_host!r} binds every interface, but peers are told the "
+            "address bound: give one they reach this host at (or leave it out for this "
+            "host's address toward the master)"
+        )
+    if args.bind_host is None:
+        try:
+            args.bind_host = address_toward(args.master)
+        except OSError as exc:
+            p.error(
+                f"cannot tell this host's address toward the master {args.master!r} "
+                f"({exc.strerror or exc}); pass --bind-host ADDRESS"
+            )
     try:
         set_process_keys(resolve_keys(args.keys))
     except ConfigError as exc:

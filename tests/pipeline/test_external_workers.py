@@ -8,15 +8,18 @@ the command for each replica, waits for them, serves the batch, and shuts the wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from pipeline._host import address_toward, tcp_endpoint
 from tests.pipeline.conftest import wait_for, workers_announced
 from tests.procs import alive, free_port, kill_all, start_stagewire
 
@@ -105,6 +108,30 @@ def test_external_workers_refuse_a_wildcard_bind(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.wait(60) == 2
     assert "not a wildcard" in err.read_text()
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", "*"])
+def test_a_worker_refuses_a_wildcard_bind_host(tmp_path: Path, wildcard: str) -> None:
+    """Peers are told the address a worker binds: a wildcard would name no host."""
+    err = tmp_path / "worker.err"
+    proc = _start("worker", "--master", "tcp://127.0.0.1:9", "--stage", "upper",
+                  "--bind-host", wildcard, err=err)  # fmt: skip
+    assert proc.wait(60) == 2
+    assert "binds every interface" in err.read_text()
+
+
+def test_a_worker_binds_its_address_toward_the_master() -> None:
+    """The kernel's route decides: loopback toward loopback (v4 or v6) and ipc://. (Other
+    hosts' addresses: ``test_netns.py``.)"""
+    assert address_toward("tcp://127.0.0.1:7600") == "127.0.0.1"
+    assert address_toward("tcp://localhost:7600") in ("127.0.0.1", "::1")
+    assert address_toward("ipc:///tmp/stagewire-master") == "127.0.0.1"
+    if socket.has_ipv6:
+        with contextlib.suppress(OSError):  # a kernel without IPv6 on loopback
+            assert address_toward("tcp://[::1]:7600") == "::1"
+    assert tcp_endpoint("::1", 0) == "tcp://[::1]:0" and tcp_endpoint("10.0.0.6", 5) == (
+        "tcp://10.0.0.6:5"
+    )
 
 
 async def test_workers_started_before_the_master_wait_for_it(tmp_path: Path) -> None:
