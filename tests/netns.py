@@ -66,6 +66,20 @@ class Host:
         self.procs.append(proc)
         return proc
 
+    def start_plain(
+        self, *args: str, out: Path, err: Path
+    ) -> subprocess.Popen[bytes]:
+        """``python -m pipeline ARGS`` on this host in the test's session (a client: a
+        SIGINT or SIGTERM ends it as it would a user's)."""
+        environment = dict(os.environ, STAGEWIRE_HOST_ID=f"netns-host-{self.index}")
+        with out.open("wb") as o, err.open("wb") as e:
+            proc = subprocess.Popen(
+                self.command(sys.executable, "-m", "pipeline", *args),
+                stdin=subprocess.DEVNULL, stdout=o, stderr=e, cwd=ROOT, env=environment,
+            )  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """``python -m pipeline ARGS`` on this host, to its end."""
         environment = dict(os.environ, STAGEWIRE_HOST_ID=f"netns-host-{self.index}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from pathlib import Path
 
 from tests.netns import hosts_or_skip
@@ -67,3 +68,103 @@ async def test_workers_on_other_hosts_serve_as_printed_without_a_bind_host(
         for host in (one, two):
             for p in host.procs:
                 assert await asyncio.to_thread(p.wait, 30) == 0, p.args
+
+
+RELAYS = """\
+name: relays
+defaults: {heartbeat_interval: 200ms, heartbeat_timeout: 2s, replica_wait: 1s}
+stages:
+  tokens: {impl: "tests.pipeline.sample_stages:Tokens"}
+  relay: {impl: "tests.pipeline.sample_stages:Relay", replicas: 2}
+edges:
+  - {from: tokens, to: relay}
+"""
+
+
+async def test_a_host_cut_off_fails_its_requests_only_and_its_restarted_worker_rejoins(
+    tmp_path: Path,
+) -> None:
+    """DESIGN's failure rules, with a host taken off the network instead of a process
+    killed: the requests bound to the replica there fail with ``StageUnavailable`` within
+    the heartbeat timeout while those on the other host's replica go on; the cut-off worker,
+    hearing no master, exits on its own (code 4); and once the host is back, the same
+    worker command takes the slot back."""
+    config = tmp_path / "relays.yaml"
+    config.write_text(RELAYS)
+    with hosts_or_skip(4) as (master_host, source, cut, other):
+        err = tmp_path / "master.err"
+        endpoint = f"tcp://{master_host.address}:7600"
+        master = master_host.start("master", str(config), "--bind", endpoint, err=err,
+                                   env={"STAGEWIRE_LOG_LEVEL": "info"})  # fmt: skip
+        await workers_announced(err)
+        found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica (\d+))",
+                           err.read_text())  # fmt: skip
+        commands = {(stage, int(k)): command for command, stage, k in found}
+        placement = {("tokens", 0): source, ("relay", 0): cut, ("relay", 1): other}
+        workers = {}
+        for key, host in placement.items():
+            err_file = tmp_path / f"{key[0]}{key[1]}.err"
+            workers[key] = host.start("worker", *commands[key].split(), "--headless", err=err_file)
+        await wait_for(lambda: "serving " in err.read_text(), 60)
+
+        # Four requests that stall after their first token, two on each relay replica.
+        stalled = []
+        for i in range(4):
+            out = tmp_path / f"stalled{i}.out"
+            stalled.append(
+                (
+                    master_host.start_plain(
+                        "submit", "--master", endpoint, "--input",
+                        f'{{"value": "s{i} stall"}}', "--timeout", "120",
+                        out=out, err=tmp_path / f"stalled{i}.err",
+                    ),
+                    out,
+                )
+            )  # fmt: skip
+            first = f'[0,"s{i}"]'
+            await wait_for(lambda out=out, first=first: first in out.read_text(), 30)  # type: ignore[misc]
+
+        cut.unplug()
+        t0 = time.monotonic()
+        # Within the heartbeat timeout (2 s, plus the master's check interval), the two on
+        # the cut-off replica fail, naming it; the other two still stream.
+        await wait_for(lambda: sum(p.poll() is not None for p, _ in stalled) == 2, 10)
+        assert time.monotonic() - t0 < 6
+        ended = [i for i, (p, _) in enumerate(stalled) if p.poll() is not None]
+        for i in ended:
+            assert stalled[i][0].returncode == 1
+            text = (tmp_path / f"stalled{i}.err").read_text()
+            assert "StageUnavailable" in text and "relay" in text, text
+        # New requests go to the replica that is left, and complete.
+        for i in range(3):
+            done = await asyncio.to_thread(
+                master_host.run, "submit", "--master", endpoint, "--input",
+                f'{{"value": "after cut {i}"}}',
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.split() == ['[0,"after"]', '[1,"cut"]', f'[2,"{i}"]']
+        # The cut-off worker hears no master and exits on its own.
+        assert await asyncio.to_thread(workers[("relay", 0)].wait, 30) == 4
+
+        # The host is back: the same command takes the slot back. With the other host's
+        # replica killed, only it can serve.
+        cut.plug()
+        cut.start("worker", *commands[("relay", 0)].split(), "--headless",
+                  err=tmp_path / "relay0-again.err")  # fmt: skip
+        await wait_for(lambda: err.read_text().count('"replica_ready"') >= 4, 30)
+        workers[("relay", 1)].kill()
+        await asyncio.to_thread(workers[("relay", 1)].wait, 30)
+        await wait_for(lambda: err.read_text().count('"replica_dead"') >= 2, 10)
+        for i in range(3):
+            done = await asyncio.to_thread(
+                master_host.run, "submit", "--master", endpoint, "--input",
+                f'{{"value": "rejoined {i}"}}',
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.split() == ['[0,"rejoined"]', f'[1,"{i}"]']
+
+        for p, _ in stalled:
+            if p.poll() is None:
+                p.terminate()
+        master.terminate()
+        assert await asyncio.to_thread(master.wait, 60) == 0, err.read_text()
