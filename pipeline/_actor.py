@@ -634,6 +634,16 @@ class StageActor:
             "counters": counters,
         }
 
+    async def reserve(self) -> None:
+        """What the output edges' pinned transports need, taken before the first request.
+
+        Raises:
+            TransportError: some transport cannot have it (an shm segment larger than what
+                /dev/shm has free, say), naming the edge and the sizes.
+        """
+        for out in self._outputs.values():
+            await out.reserve()
+
     async def aclose(self) -> None:
         """Abort every request and close every channel; idempotent."""
         for rid in list(self._requests):

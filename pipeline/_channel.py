@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import structlog
 
 from pipeline._codec import codec_for
 from pipeline._encoded import DECODE_ERRORS, Encoded, to_host
@@ -44,6 +45,8 @@ from transports._protocol import Descriptor, EdgeContext, TransportReceiver, Tra
 from transports._registry import create_transport, resolve_transport
 from transports.auto import AutoPolicy
 from transports.inline import InlineReceiver, InlineSender
+
+log = structlog.get_logger("stagewire.channel")
 
 __all__ = (
     "LONE_WINDOWS",
@@ -336,6 +339,30 @@ class OutputChannel:
         if win is None:
             win = self._windows[request_id] = _Window(self.plan.window)
         return win
+
+    async def reserve(self) -> None:
+        """Take now what the edge's pinned transport would take at its first put (shm: its
+        segment), so that a host without the room fails at start-up, not mid-run. An edge on
+        ``auto``, or with a fallback, takes nothing here, or only warns: its payloads go
+        elsewhere while a transport lacks room.
+
+        Raises:
+            TransportError: the pinned transport, with no fallback, cannot have what it needs.
+        """
+        reserve = getattr(self._fixed, "reserve", None)
+        if reserve is None:
+            return
+        try:
+            await reserve()
+        except TransportError as exc:
+            if self._transports.fallback is None:
+                raise
+            log.warning(
+                "transport_unavailable",
+                edge=self.plan.name,
+                error=str(exc),
+                fallback=self._transports.fallback,
+            )
 
     def try_send(
         self, request_id: str, encoded: Encoded | None, final: bool, target: SendTarget

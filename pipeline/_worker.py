@@ -30,7 +30,7 @@ from pipeline import _collector
 from pipeline._actor import StageActor
 from pipeline._config import PipelineSpec
 from pipeline._encoded import DECODE_ERRORS
-from pipeline._errors import ConfigError, FailureInfo
+from pipeline._errors import ConfigError, FailureInfo, TransportError
 from pipeline._host import address_toward, host_identity, is_wildcard, tcp_endpoint
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._logging import configure_logging
@@ -74,6 +74,7 @@ from pipeline._sockets import (
     for_endpoint,
     new_context,
 )
+from pipeline._stage import Stage
 from transports._liveness import pid_namespace
 
 __all__ = ("EXIT_MASTER_LOST", "EXIT_SETUP_FAILED", "main", "run_worker")
@@ -270,10 +271,7 @@ class _Worker:
             )
             await instance.setup()
         except Exception as exc:
-            message = f"{type(exc).__name__}: {exc}"
-            log.error("stage_setup_failed", stage=self.stage, error=message)
-            self.send_control(SetupFailed(self.stage, self.replica, message))
-            return EXIT_SETUP_FAILED
+            return self._setup_failed(f"{type(exc).__name__}: {exc}")
         actor = StageActor(
             plan,
             instance,
@@ -286,6 +284,14 @@ class _Worker:
             outbox=self.outbox,
             token=assignment.token,
         )
+        try:
+            # An edge pinned to shm takes its segment now: a host without the room says so
+            # at start-up, with the sizes, instead of failing requests mid-run.
+            await actor.reserve()
+        except TransportError as exc:
+            await actor.aclose()
+            await self._teardown(instance)
+            return self._setup_failed(f"{type(exc).__name__}: {exc}")
         peers = self.peers if self.peers is not None else assignment.peers
         self._forget_departed(peers)
         self._route(assignment.client)
@@ -308,11 +314,20 @@ class _Worker:
         defaults = spec.defaults
         code = await self._heartbeat(defaults.heartbeat_interval, 2 * defaults.heartbeat_timeout)
         await actor.aclose()
+        await self._teardown(instance)
+        return code
+
+    def _setup_failed(self, message: str) -> int:
+        """Tell the master why this replica cannot serve; the exit code that says so."""
+        log.error("stage_setup_failed", stage=self.stage, error=message)
+        self.send_control(SetupFailed(self.stage, self.replica, message))
+        return EXIT_SETUP_FAILED
+
+    async def _teardown(self, instance: Stage) -> None:
         try:
             await instance.teardown()
         except Exception as exc:
             log.warning("stage_teardown_failed", stage=self.stage, error=repr(exc))
-        return code
 
     async def _heartbeat(self, interval: float, master_timeout: float) -> int:
         actor = self.actor

@@ -66,9 +66,7 @@ class Host:
         self.procs.append(proc)
         return proc
 
-    def start_plain(
-        self, *args: str, out: Path, err: Path
-    ) -> subprocess.Popen[bytes]:
+    def start_plain(self, *args: str, out: Path, err: Path) -> subprocess.Popen[bytes]:
         """``python -m pipeline ARGS`` on this host in the test's session (a client: a
         SIGINT or SIGTERM ends it as it would a user's)."""
         environment = dict(os.environ, STAGEWIRE_HOST_ID=f"netns-host-{self.index}")

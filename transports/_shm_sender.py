@@ -98,6 +98,16 @@ class ShmSender(AsyncResource):
         """The name of this sender's segment under /dev/shm, once the first put made it."""
         return None if self._segment is None else self._segment.name
 
+    async def reserve(self) -> None:
+        """Create the segment now rather than at the first put: an edge pinned to shm takes
+        its space at start-up, where a host that lacks it is told the sizes.
+
+        Raises:
+            TransportFull: /dev/shm lacks the space (needed and free sizes named), or the
+                segment cannot be created.
+        """
+        await self._open()
+
     def _error(self, message: str, kind: type[TransportError] = TransportError) -> TransportError:
         self.errors += 1
         return kind(f"shm sender for edge {self._edge.edge!r}: {message}")
