@@ -523,6 +523,12 @@ def _parser() -> argparse.ArgumentParser:
         parents=[worker_parser()],
         add_help=False,
     )
+    for command in (run, master, submit, keys, val):
+        # Also after the command (`stagewire run CONFIG --debug`); set only when given, so
+        # that it never overrides a --debug before the command.
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+        )
     return p
 
 
@@ -549,11 +555,12 @@ def _one_line(message: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``stagewire`` command; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    command = argv[1:] if argv[:1] == ["--debug"] else argv
+    debug = argv[:1] == ["--debug"]
+    command = argv[1:] if debug else argv
     if command[:1] == ["worker"]:
         from pipeline._worker import main as worker_main
 
-        return worker_main(command[1:])
+        return worker_main([*command[1:], *(["--debug"] if debug else [])])
     args = _parser().parse_args(argv)
     if args.command in ("run", "master"):
         # Off while the stages' modules import and the workers start (see _collector).
@@ -573,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_run(args, console))
     except _Fail as exc:
         if args.debug:
+            cause = exc.__cause__
+            if isinstance(cause, PipelineError) and cause.traceback:
+                console.print(f"stage traceback:\n{cause.traceback}", highlight=False, markup=False)
             raise
         console.print(f"[red]error:[/red] {_one_line(str(exc))}", highlight=False, soft_wrap=True)
         return exc.code

@@ -53,6 +53,10 @@ class EndOfChannel(Exception):
 class PipelineError(Exception):
     """The root of every stagewire error."""
 
+    #: Where the failure happened in another process (a stage's handler or setup), its
+    #: traceback as that process formatted it; empty otherwise.
+    traceback: str = ""
+
 
 class ConfigError(PipelineError):
     """A spec, YAML file or stage class is invalid; raised before any process starts.

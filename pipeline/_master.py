@@ -91,6 +91,8 @@ class _Startup:
     #: What start-up raises with ``error``: a placement that breaks the config is a
     #: ConfigError, anything else a PipelineError.
     error_type: type[PipelineError] = PipelineError
+    #: The traceback of a stage's failed setup, as its worker formatted it.
+    traceback: str = ""
 
     def fail(self, error: str, error_type: type[PipelineError] = PipelineError) -> None:
         """Fail start-up with ``error``, unless it is over or has already failed."""
@@ -312,8 +314,9 @@ class Master:
                 log.info("replica_ready", stage=rep.stage, replica=rep.replica, pid=rep.pid)
                 if all(k in self.replicas and self.replicas[k].ready for k in self.expected):
                     self.startup.ready.set()
-            case SetupFailed(message=message):
+            case SetupFailed(message=message, traceback=trace):
                 self.startup.error = f"stage {msg.stage!r} replica {msg.replica}: {message}"
+                self.startup.traceback = trace
                 self.startup.ready.set()
             case Failed(info=info):
                 self.orch.fail(info.request_id, failure_to_error(info))
@@ -469,7 +472,9 @@ class Master:
                 f"not ready after {timeout:g}s; waiting for {', '.join(missing)}",
             ) from None
         if self.startup.error is not None:
-            raise self.startup.error_type(f"pipeline failed to start: {self.startup.error}")
+            error = self.startup.error_type(f"pipeline failed to start: {self.startup.error}")
+            error.traceback = self.startup.traceback
+            raise error
 
     def waiting_for(self) -> list[str]:
         """Replicas expected but not yet ready, as ``stage[k]``."""

@@ -187,6 +187,8 @@ class SetupFailed(_Msg, frozen=True, tag="setup_failed"):
     stage: str
     replica: int
     message: str
+    #: The failure's traceback as the worker formatted it (bounded), for ``--debug``.
+    traceback: str = ""
 
 
 class Heartbeat(_Msg, frozen=True, tag="hb"):

@@ -30,7 +30,7 @@ from pipeline import _collector
 from pipeline._actor import StageActor
 from pipeline._config import PipelineSpec
 from pipeline._encoded import DECODE_ERRORS
-from pipeline._errors import ConfigError, FailureInfo, TransportError
+from pipeline._errors import ConfigError, FailureInfo, TransportError, format_traceback
 from pipeline._host import address_toward, host_identity, is_wildcard, tcp_endpoint
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._logging import configure_logging
@@ -107,8 +107,12 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class _Worker:
-    def __init__(self, master: str, stage: str, replica: int, bind_host: str) -> None:
+    def __init__(
+        self, master: str, stage: str, replica: int, bind_host: str, *, debug: bool = False
+    ) -> None:
         self.stage = stage
+        #: Whether a failed setup is logged with its traceback.
+        self.debug = debug
         self.replica = replica
         self.host = host_identity()
         self.zctx = new_context()
@@ -271,7 +275,7 @@ class _Worker:
             )
             await instance.setup()
         except Exception as exc:
-            return self._setup_failed(f"{type(exc).__name__}: {exc}")
+            return self._setup_failed(exc)
         actor = StageActor(
             plan,
             instance,
@@ -291,7 +295,7 @@ class _Worker:
         except TransportError as exc:
             await actor.aclose()
             await self._teardown(instance)
-            return self._setup_failed(f"{type(exc).__name__}: {exc}")
+            return self._setup_failed(exc)
         peers = self.peers if self.peers is not None else assignment.peers
         self._forget_departed(peers)
         self._route(assignment.client)
@@ -317,10 +321,15 @@ class _Worker:
         await self._teardown(instance)
         return code
 
-    def _setup_failed(self, message: str) -> int:
+    def _setup_failed(self, exc: Exception) -> int:
         """Tell the master why this replica cannot serve; the exit code that says so."""
-        log.error("stage_setup_failed", stage=self.stage, error=message)
-        self.send_control(SetupFailed(self.stage, self.replica, message))
+        message = f"{type(exc).__name__}: {exc}"
+        trace = format_traceback(exc)
+        if self.debug:
+            log.error("stage_setup_failed", stage=self.stage, error=message, traceback=trace)
+        else:
+            log.error("stage_setup_failed", stage=self.stage, error=message)
+        self.send_control(SetupFailed(self.stage, self.replica, message, traceback=trace))
         return EXIT_SETUP_FAILED
 
     async def _teardown(self, instance: Stage) -> None:
@@ -388,6 +397,7 @@ async def run_worker(
     *,
     bind_host: str | None = None,
     connect_timeout: float = 300.0,
+    debug: bool = False,
 ) -> int:
     """Serve one replica of ``stage`` for the master at ``master``; returns an exit code.
 
@@ -397,7 +407,7 @@ async def run_worker(
         OSError: no ``bind_host`` given, and the master's host does not resolve.
         zmq.ZMQError: ``bind_host`` is not an address of this host.
     """
-    worker = _Worker(master, stage, replica, bind_host or address_toward(master))
+    worker = _Worker(master, stage, replica, bind_host or address_toward(master), debug=debug)
     try:
         return await worker.serve(connect_timeout)
     finally:
@@ -422,7 +432,18 @@ def parser() -> argparse.ArgumentParser:
         "--connect-timeout", type=float, default=300.0, help="seconds to reach the master"
     )
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--headless", action="store_true", help="no terminal output but logs")
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="log JSON lines even on a terminal (for a log collector); otherwise they are "
+        "rendered for reading when stderr is a terminal",
+    )
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="log at debug level (unless STAGEWIRE_LOG_LEVEL says otherwise), and a "
+        "failed setup with its traceback",
+    )
     p.add_argument(
         "--keys",
         metavar="DIR",
@@ -458,7 +479,10 @@ def main(argv: list[str] | None = None) -> int:
         set_process_keys(resolve_keys(args.keys))
     except ConfigError as exc:
         p.error(str(exc))
-    configure_logging()
+    configure_logging(
+        os.environ.get("STAGEWIRE_LOG_LEVEL") or ("debug" if args.debug else None),
+        json=True if args.headless else None,
+    )
     if args.parent_pid is not None:
         # A locally launched worker: the master handles Ctrl-C and shuts us down in order.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -469,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         args.replica,
         bind_host=args.bind_host,
         connect_timeout=args.connect_timeout,
+        debug=args.debug,
     )
     profile_dir = os.environ.get("STAGEWIRE_PROFILE_DIR")
     if not profile_dir:

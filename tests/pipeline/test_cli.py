@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -86,11 +90,65 @@ def test_bad_input_json_is_exit_2() -> None:
     assert "$.value" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_debug_shows_the_traceback(tmp_path: Path) -> None:
-    """--debug trades the one-line error for the full traceback."""
-    res = _run("--debug", "validate", str(tmp_path / "missing.yaml"))
+@pytest.mark.parametrize("where", ["before the command", "after it"])
+def test_debug_shows_the_traceback(tmp_path: Path, where: str) -> None:
+    """--debug trades the one-line error for the full traceback, given before the command
+    or among its own arguments."""
+    command = ("validate", str(tmp_path / "missing.yaml"))
+    args = ("--debug", *command) if where == "before the command" else (*command, "--debug")
+    res = _run(*args)
     assert res.returncode != 0
     assert "Traceback" in res.stderr
+    plain = _run(*command)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr
+
+
+def test_debug_shows_where_a_stages_setup_failed(tmp_path: Path) -> None:
+    """A stage whose setup raises fails start-up with one line (exit 3); with --debug the
+    worker's traceback of it comes too, naming the setup that raised."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("stages:\n  broken: {impl: 'tests.pipeline.sample_stages:BrokenSetup'}\n")
+    plain = _run("run", str(cfg), "--input", '{"value": "a"}')
+    assert plain.returncode == 3, plain.stderr
+    assert "OSError: weights file is missing" in plain.stderr
+    assert "Traceback" not in plain.stderr
+    debug = _run("run", str(cfg), "--input", '{"value": "a"}', "--debug")
+    assert debug.returncode != 0
+    assert "stage traceback:" in debug.stderr and "in setup" in debug.stderr, debug.stderr
+
+
+@pytest.mark.parametrize("headless", [False, True], ids=["terminal", "headless"])
+def test_a_headless_worker_logs_json_lines_even_on_a_terminal(headless: bool) -> None:
+    """On a terminal a worker's log is rendered for reading; ``--headless`` makes it JSON
+    lines there too, for a log collector. (Here: no master to reach, so it logs that.)"""
+    primary, secondary = pty.openpty()
+    try:
+        args = ["worker", "--master", "tcp://127.0.0.1:9", "--stage", "split",
+                "--connect-timeout", "1", *(["--headless"] if headless else [])]  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=secondary,
+        )  # fmt: skip
+        os.close(secondary)
+        assert proc.wait(60) == 4
+        text = b""
+        while True:
+            try:
+                piece = os.read(primary, 65536)
+            except OSError:  # the terminal's other end closed: all read
+                break
+            if not piece:
+                break
+            text += piece
+    finally:
+        os.close(primary)
+    lines = [ln for ln in text.decode(errors="replace").splitlines() if "master_unreachable" in ln]
+    assert lines, text
+    records = [ln.strip() for ln in lines if ln.strip().startswith("{")]
+    if headless:
+        assert records and json.loads(records[0])["event"] == "master_unreachable"
+    else:
+        assert not records, lines
 
 
 def test_show_stream_prints_the_first_response_as_it_streams(tmp_path: Path) -> None:
