@@ -33,6 +33,7 @@ from pipeline._errors import (
 )
 from pipeline._keys import CLIENT
 from pipeline._latency import LatencyRecorder
+from pipeline._logging import count_dropped
 from pipeline._messages import (
     Abort,
     Admit,
@@ -359,10 +360,10 @@ class StageActor:
             self.forget(request_id)
 
     def _garbage(self, n: int) -> None:
-        before = self.counts["garbage"]
-        self.counts["garbage"] += n
-        if before < 1000 and any(before < m <= before + n for m in (1, 10, 100, 1000)):
-            log.warning("garbage_dropped", stage=self.stage, count=self.counts["garbage"])
+        counts = self.counts
+        counts["garbage"] = count_dropped(
+            log, "garbage_dropped", counts["garbage"], n, stage=self.stage
+        )
 
     def _on_run(self, run: Chunks) -> None:
         entry = self._inputs_by_edge.get(run.edge)

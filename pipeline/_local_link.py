@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import structlog
 
+from pipeline._logging import count_dropped
+
 __all__ = ("LocalLink", "LocalListener", "local_links_enabled")
 
 log = structlog.get_logger("stagewire.local_link")
@@ -350,9 +352,8 @@ class LocalListener:
         return self._loop is not None
 
     def garbage(self, why: str) -> None:
-        """Count a malformed frame."""
-        self.garbage_count += 1
-        log.warning("local_frame_dropped", why=why, count=self.garbage_count)
+        """Count a malformed frame (logged as the count passes 1, 10, 100, ...)."""
+        self.garbage_count = count_dropped(log, "local_frame_dropped", self.garbage_count, why=why)
 
     def drop(self, inbound: _Inbound) -> None:
         """Stop reading a link that closed or broke."""

@@ -9,10 +9,27 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 import structlog
 
-__all__ = ("configure_logging",)
+__all__ = ("configure_logging", "count_dropped")
+
+#: Counts of dropped messages at which a warning is logged: enough to see a flood begin,
+#: and how it grows, without a line per message.
+_MILESTONES = (1, 10, 100, 1000, 10_000, 100_000)
+
+
+def count_dropped(logger: Any, event: str, before: int, n: int = 1, **context: Any) -> int:
+    """``before + n``, logging ``event`` (a warning) as the count passes 1, 10, 100, ...
+
+    For what the runtime drops rather than raises on (garbage on a socket, a malformed
+    frame): counted always, logged where the count reaches each milestone.
+    """
+    after = before + n
+    if any(before < m <= after for m in _MILESTONES):
+        logger.warning(event, count=after, **context)
+    return after
 
 
 def configure_logging(level: str | None = None, *, json: bool | None = None) -> None:

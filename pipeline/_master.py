@@ -26,6 +26,7 @@ from pipeline._errors import ConfigError, PipelineError, StageUnavailable, failu
 from pipeline._host import host_identity
 from pipeline._keys import CLIENT
 from pipeline._local_link import LocalListener, local_links_enabled
+from pipeline._logging import count_dropped
 from pipeline._messages import (
     MAX_CONTROL_MESSAGE,
     Abort,
@@ -259,17 +260,19 @@ class Master:
         self.garbage += 1
         log.warning("message_failed", error=repr(exc))
 
+    def _dropped(self, why: str) -> None:
+        """Count a control message that is not one, or not for us (logged now and then)."""
+        self.garbage = count_dropped(log, "garbage_dropped", self.garbage, why=why)
+
     def _on_control(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
-            self.garbage += 1
+            self._dropped(f"{len(frames)} frames")
             return
         identity, body = frames
         try:
             msg = _decode(body)
         except DECODE_ERRORS:
-            self.garbage += 1
-            if self.garbage in (1, 10, 100, 1000):
-                log.warning("garbage_dropped", count=self.garbage)
+            self._dropped("not a control message")
             return
         if isinstance(msg, Register):
             self._register(identity, msg)
@@ -296,13 +299,13 @@ class Master:
             # A worker's heartbeats come from its own thread's socket (see _pulse.py).
             and not (isinstance(msg, Heartbeat) and identity == pulse_identity(rep.identity))
         ):
-            self.garbage += 1
+            self._dropped(f"{type(msg).__name__} from no registered replica")
             return
         if not rep.alive and not isinstance(msg, SetupFailed):
             # Declared dead: what it still sends (a Ready, a heartbeat) must not revive it in
             # the orchestrator's view; a worker that is back registers anew. Its setup
             # error still counts: it says why start-up failed better than its exit code.
-            self.garbage += 1
+            self._dropped(f"{type(msg).__name__} from a replica declared dead")
             return
         rep.last_seen = time.monotonic()
         match msg:

@@ -33,7 +33,7 @@ from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import ConfigError, FailureInfo, TransportError, format_traceback
 from pipeline._host import address_toward, host_identity, is_wildcard, tcp_endpoint
 from pipeline._local_link import LocalListener, local_links_enabled
-from pipeline._logging import configure_logging
+from pipeline._logging import configure_logging, count_dropped
 from pipeline._messages import (
     MAX_CONTROL_MESSAGE,
     Abort,
@@ -168,7 +168,9 @@ class _Worker:
         try:
             msg = _decode_control(frames[-1])
         except DECODE_ERRORS:
-            self.garbage += 1
+            self.garbage = count_dropped(
+                log, "garbage_dropped", self.garbage, stage=self.stage, socket="control"
+            )
             return
         self.last_seen = time.monotonic()
         actor = self.actor

@@ -60,6 +60,9 @@ class Handler(Protocol):
     def connection_lost(self, conn: Connection, why: str) -> None:
         """The connection ended; nothing pending on it will arrive."""
 
+    def garbage(self, conn: Connection, why: str) -> None:
+        """A message from the producer that is not one was dropped."""
+
 
 class Connection:
     """A DEALER to one producer endpoint, the fetches pending on it, and its control queue.
@@ -231,6 +234,7 @@ class Connection:
             part: Part | None = _part_decoder.decode(meta)
         except DECODE_ERRORS:
             part = None
+            self._handler.garbage(self, "a message whose metadata does not decode")
         inbound = None if part is None else self.fetches.get(part.xid)
         if not more:
             if inbound is not None and part is not None:

@@ -18,10 +18,12 @@ import contextlib
 import time
 
 import msgspec
+import structlog
 
 from pipeline._encoded import DECODE_ERRORS, Encoded
 from pipeline._errors import TransportError
 from pipeline._latency import LatencyRecorder
+from pipeline._logging import count_dropped
 from transports._network_connection import Connection
 from transports._network_inbound import DONE, FAILED, PENDING, Inbound
 from transports._network_wire import (
@@ -35,6 +37,8 @@ from transports._network_wire import (
 )
 from transports._protocol import Descriptor, EdgeContext, TransportStatistics
 from transports._resource import AsyncResource
+
+_log = structlog.get_logger("stagewire.transports.network")
 
 __all__ = ("NetworkReceiver",)
 
@@ -278,6 +282,12 @@ class NetworkReceiver(AsyncResource):
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def garbage(self, conn: Connection, why: str) -> None:
+        """Count a message from ``conn``'s producer that is not one (logged now and then)."""
+        self.errors = count_dropped(
+            _log, "network_message_dropped", self.errors, producer=conn.endpoint, why=why
+        )
 
     def connection_lost(self, conn: Connection, why: str) -> None:
         """Fail every inbound on ``conn``, and forget the connection if nothing else uses it."""

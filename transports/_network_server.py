@@ -29,6 +29,7 @@ import zmq
 from pipeline._encoded import DECODE_ERRORS, Buffer
 from pipeline._errors import TransportError
 from pipeline._latency import LatencyRecorder
+from pipeline._logging import count_dropped
 from pipeline._security import process_keys, secure_server
 from pipeline._sockets import SocketReader
 from transports._network_store import BlockPool, Capacity, Held
@@ -202,13 +203,17 @@ class Server:
         self._reader.kick()
 
     def _on_bad_message(self, exc: BaseException, frames: list[bytes]) -> None:
-        # A receiver of another version, or a stray client: its message is ignored, and
-        # counted, rather than stopping the sender.
-        self.errors += 1
+        # A receiver of another version, or a stray client: its message is ignored, counted
+        # and logged now and then, rather than stopping the sender.
         if not isinstance(exc, (ValueError, *DECODE_ERRORS)):
             # A bug here, not a bad peer. Raising would stop the reader's drain and strand
             # queued messages behind ZMQ's edge-triggered descriptor, so it is logged.
+            self.errors += 1
             _log.error("network_sender_failed", edge=self._edge.edge, exc_info=exc)
+            return
+        self.errors = count_dropped(
+            _log, "network_message_dropped", self.errors, edge=self._edge.edge, error=str(exc)
+        )
 
     def _acked(self, peer: _Peer, count: int) -> None:
         unacked = peer.unacked

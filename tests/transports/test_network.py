@@ -331,6 +331,31 @@ async def test_lying_producer(fake_producer: tuple[zmq.asyncio.Socket, str]) -> 
                 await _within(getting)
 
 
+async def test_garbage_from_a_producer_is_dropped_and_counted(
+    fake_producer: tuple[zmq.asyncio.Socket, str],
+) -> None:
+    """A message whose metadata does not decode is dropped and counted in the receiver's
+    errors (and logged now and then), and the fetch it did not answer still completes."""
+    sock, endpoint = fake_producer
+    async with NetworkTransport(fetch_timeout=5).open_receiver(_edge()) as receiver:
+        desc = _forged(endpoint, [4, 6])
+        getting = asyncio.ensure_future(receiver.get(desc))
+        ident, raw = await _within(sock.recv_multipart())
+        (fetch,) = msgspec.msgpack.decode(raw, type=Control).fetch
+        for junk in ([b"\xc1 not msgpack", b"data"], [b"\x93\x01", b"x" * 10]):
+            await sock.send_multipart([ident, *junk])
+        await wait_for(lambda: receiver.statistics().errors == 2)
+        # The payload is small: one frame packing both pieces, the second aligned.
+        (frame,) = frame_plan([4, 6], MiB)
+        data = bytearray(frame.length)
+        for (piece, offset), content in zip(frame.members, (b"head", b"body!!"), strict=True):
+            assert len(content) == [4, 6][piece]
+            data[offset : offset + len(content)] = content
+        await sock.send_multipart([ident, msgspec.msgpack.encode(Part(fetch.xid, 0)), data])
+        got = await _within(getting)
+        assert bytes(got.header) == b"head" and [bytes(b) for b in got.buffers] == [b"body!!"]
+
+
 async def test_oversized_frame_is_refused(fake_producer: tuple[zmq.asyncio.Socket, str]) -> None:
     """A producer sending a frame above the largest segment is cut off by ZMQ before the
     frame is allocated, and the get fails at once rather than at its deadline."""

@@ -1,0 +1,31 @@
+"""What the runtime drops rather than raises on is counted always and logged now and then."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline._logging import count_dropped
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self.lines.append((event, fields))
+
+
+def test_drops_are_logged_as_their_count_passes_each_power_of_ten() -> None:
+    """One at a time or in runs, a warning marks the 1st, 10th, 100th, ... drop, with the
+    count and the context; the drops between are only counted."""
+    log = _Recorder()
+    count = 0
+    for _ in range(150):
+        count = count_dropped(log, "garbage_dropped", count, stage="s")
+    count = count_dropped(log, "garbage_dropped", count, 2000, stage="s")
+    assert count == 2150
+    assert [fields["count"] for _, fields in log.lines] == [1, 10, 100, 2150]
+    assert all(event == "garbage_dropped" and f["stage"] == "s" for event, f in log.lines)
+    # A run that passes several milestones at once is one line.
+    log.lines.clear()
+    assert count_dropped(log, "x", 0, 50_000) == 50_000 and len(log.lines) == 1
