@@ -489,6 +489,16 @@ def main(argv: list[str] | None = None) -> int:
         # A locally launched worker: the master handles Ctrl-C and shuts us down in order.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _die_with_parent(args.parent_pid)
+    else:
+        # Started by hand, perhaps on a host of its own, where no launcher sweeps: the shm
+        # segments of this host's dead stagewire processes (a worker killed -9 before this
+        # one) go now, not when some process next makes a segment, which a worker that only
+        # reads never does.
+        from transports.shm import sweep_dead_owners
+
+        swept = sweep_dead_owners()
+        if swept:
+            log.info("shm_segments_swept", count=len(swept))
     work = run_worker(
         args.master,
         args.stage,

@@ -651,6 +651,26 @@ async def test_sweep_removes_only_dead_owners(spawned: list[int]) -> None:
         assert await alive.finish() == 0, "closing a sender whose segment was removed failed"
 
 
+async def test_a_worker_started_by_hand_sweeps_dead_owners_at_once(spawned: list[int]) -> None:
+    """A ``stagewire worker`` started by hand (no launcher on its host sweeps) removes the
+    segment of a producer killed with SIGKILL as it starts, before it even reaches a master
+    (here there is none: it exits 4), not at its first segment, which a worker that only
+    reads never makes."""
+    async with _child(spawned, PRODUCER, "1") as dead:
+        desc = msgspec.msgpack.decode(bytes.fromhex(await dead.line()), type=ShmDescriptor)
+        assert await dead.line() == "ready"
+        await dead.kill()
+    assert desc.segment in list_segments()
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pipeline", "worker", "--master", "tcp://127.0.0.1:9",
+        "--stage", "consumer", "--connect-timeout", "1", cwd=ROOT,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    spawned.append(worker.pid)
+    assert await _within(worker.wait()) == 4
+    assert desc.segment not in list_segments()
+
+
 async def test_dead_reader_does_not_pin_space(spawned: list[int]) -> None:
     """An extent held by a consumer killed with SIGKILL is reclaimed by a put waiting for room."""
     async with _ends() as (sender, _), _child(spawned, CONSUMER) as consumer:
