@@ -1,4 +1,5 @@
-"""Transports: how each edge's payloads travel (inline now; shm, cuda_ipc, network next).
+"""Transports: how each edge's payloads travel: inline, shm, cuda_ipc, network, or auto,
+which picks one per payload.
 
 Each transport is one module of the same shape. Third-party transports implement the
 :class:`Transport` protocol and are named by import path or entry point.
