@@ -332,3 +332,28 @@ class CollectorState(Stage):
     async def process(self, text: Text, ctx: Context) -> Text:
         frozen = gc.get_freeze_count()
         return Text(f"setup:{self.in_setup} serving:{gc.isenabled()} frozen:{frozen}")
+
+
+class WhoAmI(Stage):
+    """Says what its Context says, and logs through ``ctx.log``. 'spin' runs a CPU loop in
+    a thread, polling ``ctx.cancelled`` as such a loop must (cancelling the awaiting task
+    does not stop a thread), and counts the loops that stopped that way."""
+
+    async def setup(self) -> None:
+        self.stopped = 0
+
+    def _spin(self, ctx: Context) -> None:
+        deadline = time.monotonic() + 60
+        while not ctx.cancelled and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if ctx.cancelled:
+            self.stopped += 1
+
+    def statistics(self) -> dict[str, int]:
+        return {"stopped": self.stopped}
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        ctx.log.warning("who_am_i", said=text.value)
+        if text.value == "spin":
+            await asyncio.to_thread(self._spin, ctx)
+        return Text(f"{ctx.request_id}|{ctx.stage}|{ctx.replica}|{ctx.cancelled}")
