@@ -12,6 +12,7 @@ from ._errors import EndOfChannel as EndOfChannel
 from ._errors import MasterUnavailable as MasterUnavailable
 from ._errors import PayloadError as PayloadError
 from ._errors import PipelineError as PipelineError
+from ._errors import ProducerLost as ProducerLost
 from ._errors import RequestAborted as RequestAborted
 from ._errors import RequestTimeout as RequestTimeout
 from ._errors import StageError as StageError
@@ -38,6 +39,7 @@ __all__ = (
     "Pipeline",
     "PipelineError",
     "PipelineSpec",
+    "ProducerLost",
     "RemotePipeline",
     "RequestAborted",
     "RequestTimeout",

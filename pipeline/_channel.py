@@ -30,7 +30,9 @@ from pipeline._encoded import DECODE_ERRORS, Encoded, to_host
 from pipeline._errors import (
     EndOfChannel,
     PayloadError,
+    ProducerLost,
     RequestAborted,
+    StageUnavailable,
     TransportError,
     TransportFull,
 )
@@ -803,6 +805,7 @@ class InputChannel:
         """Materialise and decode an item's payload, then release the transport's hold.
 
         Raises:
+            StageUnavailable: the producer's process holding the payload is gone.
             TransportError: the payload could not be fetched.
             PayloadError: the payload does not match the edge's type.
         """
@@ -812,6 +815,13 @@ class InputChannel:
         try:
             encoded = await recv.get(descriptor)
             return self._codec.decode(encoded)
+        except ProducerLost as exc:
+            # The request was in flight on a replica that died: the same error as when the
+            # master notices the death first.
+            raise StageUnavailable(
+                self.plan.src,
+                f"its replica holding a payload of edge {self.plan.name!r} is gone ({exc})",
+            ) from exc
         finally:
             await recv.release(descriptor)
 

@@ -9,7 +9,9 @@ Every error a user can catch derives from :class:`PipelineError`::
     │   └── MasterUnavailable   a remote master did not answer, or went away
     ├── ChunkGap            a chunk did not arrive within ``chunk_timeout``
     ├── TransportError      a transport could not move or find a payload
-    │   └── TransportFull   no capacity freed up within the put's deadline
+    │   ├── TransportFull   no capacity freed up within the put's deadline
+    │   └── ProducerLost    the process holding a payload is gone (a consumer's
+    │                       channel reports it as StageUnavailable of the producer)
     ├── PayloadError        a payload did not match its declared type
     ├── RequestAborted      the request was cancelled (client cancel or ``abort``)
     └── RequestTimeout      the request passed its deadline
@@ -34,6 +36,7 @@ __all__ = (
     "MasterUnavailable",
     "PayloadError",
     "PipelineError",
+    "ProducerLost",
     "RequestAborted",
     "RequestTimeout",
     "StageError",
@@ -146,6 +149,16 @@ class ChunkGap(PipelineError):
 
 class TransportError(PipelineError):
     """A transport could not store, find or deliver a payload."""
+
+
+class ProducerLost(TransportError):
+    """The process holding a payload is gone (it exited, or nothing listens at its port
+    any more), so the payload cannot be fetched.
+
+    A consumer's channel turns it into :class:`StageUnavailable` naming the producer's
+    stage: the request was in flight on a replica that died, whichever process noticed
+    first.
+    """
 
 
 class TransportFull(TransportError):

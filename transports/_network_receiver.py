@@ -21,7 +21,7 @@ import msgspec
 import structlog
 
 from pipeline._encoded import DECODE_ERRORS, Encoded
-from pipeline._errors import TransportError
+from pipeline._errors import ProducerLost, TransportError
 from pipeline._latency import LatencyRecorder
 from pipeline._logging import count_dropped
 from transports._network_connection import Connection
@@ -257,8 +257,16 @@ class NetworkReceiver(AsyncResource):
         inbound.refused = True
         self.fail(inbound, f"producer refused the payload: {reason}", drop=False)
 
-    def fail(self, inbound: Inbound, why: str, *, drop: bool, count: bool = True) -> None:
-        """End ``inbound`` with an error; ``drop`` tells the producer to forget its token."""
+    def fail(
+        self,
+        inbound: Inbound,
+        why: str,
+        *,
+        drop: bool,
+        count: bool = True,
+        error: type[TransportError] = TransportError,
+    ) -> None:
+        """End ``inbound`` with ``error``; ``drop`` tells the producer to forget its token."""
         if inbound.state != PENDING:
             return
         conn = inbound.conn
@@ -270,7 +278,7 @@ class NetworkReceiver(AsyncResource):
             self.errors += 1
         inbound.state = FAILED
         inbound.pieces = []
-        inbound.error = TransportError(
+        inbound.error = error(
             f"{self._what}: fetching token {inbound.desc.token.hex()} from producer "
             f"{conn.endpoint} failed: {why}"
         )
@@ -292,7 +300,7 @@ class NetworkReceiver(AsyncResource):
     def connection_lost(self, conn: Connection, why: str) -> None:
         """Fail every inbound on ``conn``, and forget the connection if nothing else uses it."""
         for inbound in list(conn.fetches.values()):
-            self.fail(inbound, why, drop=False)
+            self.fail(inbound, why, drop=False, error=ProducerLost)
         for lane, known in list(self._conns.items()):
             if known is conn:
                 # A later inbound reconnects; meanwhile no socket retries a dead endpoint.

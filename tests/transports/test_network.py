@@ -29,11 +29,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipeline
-from pipeline import ConfigError, TransportError, TransportFull
+from pipeline import ConfigError, ProducerLost, StageUnavailable, TransportError, TransportFull
+from pipeline._channel import InputChannel
 from pipeline._encoded import Encoded
 from pipeline._keys import ChunkKey
+from pipeline._signature import build_plan
 from pipeline.testing import TransportConformance
 from stages.text import Text
+from tests.pipeline.conftest import spec as conftest_spec
 from tests.pipeline.conftest import wait_for
 from tests.transports.network_producer import EDGE, payload
 from transports import EdgeContext, Transport, create_transport
@@ -265,12 +268,36 @@ async def test_producer_gone(start_producer: Callable[..., Awaitable[_Producer]]
         start = time.monotonic()
         second = receiver.decode_descriptor(producer.descriptors[1])
         assert isinstance(second, NetworkDescriptor)
-        with pytest.raises(TransportError, match=second.endpoint):
+        with pytest.raises(ProducerLost, match=second.endpoint):
             await _within(receiver.get(second))
         elapsed = time.monotonic() - start
         print(f"get from a killed producer failed after {elapsed * 1000:.1f} ms")
         assert elapsed < timeout
         assert receiver.statistics().errors == 1
+
+
+async def test_a_channel_reports_a_producer_gone_as_its_stage_unavailable(
+    start_producer: Callable[..., Awaitable[_Producer]],
+) -> None:
+    """A consumer's channel that finds the producer holding its payload gone fails the
+    read with StageUnavailable naming the producer's stage: the request was in flight on a
+    replica that died, and the client gets the same error whether this read or the master
+    noticed the death first (a TransportError here failed a soak run's request)."""
+    producer = await start_producer({"fetch_timeout": 5.0}, [MiB])
+    plan = build_plan(
+        conftest_spec({"encode": ":Flood", "prefill": ":Drain"}, [("encode", "prefill")],
+                      transport="network")
+    ).stages["encode"].outputs["prefill"]  # fmt: skip
+    channel = InputChannel(plan, host="elsewhere", send=lambda _, msg: None)
+    try:
+        producer.proc.kill()
+        await _within(producer.proc.wait())
+        desc = channel.receiver("network").decode_descriptor(producer.descriptors[0])
+        with pytest.raises(StageUnavailable, match=r"stage 'encode' unavailable.*is gone") as got:
+            await _within(channel.fetch(("network", desc, "")))
+        assert got.value.stage == "encode" and isinstance(got.value.__cause__, ProducerLost)
+    finally:
+        await channel.aclose()
 
 
 # -- peers that misbehave --------------------------------------------------------------------
