@@ -60,7 +60,7 @@ from pipeline._security import CurveKeys, secure_server, stop_guard
 from pipeline._signature import EdgePlan, PipelinePlan
 from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
 from pipeline._worker import MAX_DATA_MESSAGE
-from transports._liveness import local_pid, pid_namespace
+from transports._liveness import local_pid, pid_alive, pid_namespace
 from transports._registry import AUTO, resolve_transport
 
 __all__ = ("Master",)
@@ -322,6 +322,11 @@ class Master:
                 self.startup.traceback = trace
                 self.startup.ready.set()
             case Failed(info=info):
+                if info.kind == "unavailable" and info.stage != msg.stage:
+                    # A consumer found the producer holding its payload gone. Where that
+                    # process is on this host its death is declared now, before the failure
+                    # reaches the client: a request made in answer must not be bound to it.
+                    self._declare_exited(info.stage)
                 self.orch.fail(info.request_id, failure_to_error(info))
             case StatsReply(token=token, stats=stats):
                 entry = self._stats.get(token)
@@ -437,6 +442,16 @@ class Master:
         self._broadcast_peers()
         log.warning("replica_dead", stage=stage, replica=replica, why=why, failed=failed)
         self.startup.fail(f"stage {stage!r} replica {replica} {why} during start-up")
+
+    def _declare_exited(self, stage: str) -> None:
+        """Declare dead every replica of ``stage`` on this host whose process has exited
+        (its launcher, or its heartbeats, would say so a moment later)."""
+        for rep in list(self.replicas.values()):
+            if rep.stage != stage or not rep.alive or rep.host != self.host:
+                continue
+            pid = local_pid(rep.pid, rep.pidns)
+            if pid and not pid_alive(pid):
+                self.replica_lost(stage, rep.replica, "exited")
 
     async def _heartbeat(self) -> None:
         interval = self.spec.defaults.heartbeat_interval

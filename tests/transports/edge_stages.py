@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -56,10 +57,12 @@ class Verify(Stage):
 
     class Params(BaseModel):
         delay: float = 0.0
+        #: Seconds the first piece is computed on, holding the event loop as a model does.
+        block: float = 0.0
 
     async def process(self, pieces: Stream[Piece], ctx: Context) -> Text:
         assert isinstance(self.params, Verify.Params)
-        return await _verify(pieces, self.params.delay)
+        return await _verify(pieces, self.params.delay, self.params.block)
 
 
 class Keep(Stage):
@@ -113,8 +116,11 @@ class MeasurePieces(Stage):
         return [Text(str(p.data.size)) for p in pieces]
 
 
-async def _verify(pieces: Stream[Piece] | Stream[TensorPiece], delay: float) -> Text:
-    """Check each piece's position and bytes, sleeping ``delay`` after each (holding it)."""
+async def _verify(
+    pieces: Stream[Piece] | Stream[TensorPiece], delay: float, block: float = 0.0
+) -> Text:
+    """Check each piece's position and bytes, sleeping ``delay`` after each (holding it),
+    and blocking the loop ``block`` seconds after the first."""
     seen = 0
     total = 0
     async for piece in pieces:
@@ -129,6 +135,11 @@ async def _verify(pieces: Stream[Piece] | Stream[TensorPiece], delay: float) -> 
         if delay:
             # The point is a slow consumer: it holds the stream open while chunks queue.
             await asyncio.sleep(delay)
+        if block and seen == 1:
+            # Compute that holds the loop, as a model does: nothing else here runs.
+            deadline = time.perf_counter() + block
+            while time.perf_counter() < deadline:
+                pass
     return Text(f"{seen}:{total}")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,6 +28,7 @@ from pipeline import (
 )
 from stages.text import Text
 from tests.pipeline.conftest import settled, wait_for
+from tests.procs import kill_all, start_stagewire
 from transports._shm_segment import free_space
 from transports.shm import list_segments
 
@@ -258,6 +260,48 @@ async def test_auto_between_hosts_goes_by_network() -> None:
         used, _ = await _used(pipe)
     assert set(used) == {"inline", "network"}, used
     assert used["network"] == 20 * CHUNKS // 2
+
+
+async def test_a_consumer_finding_its_producer_gone_has_the_master_declare_it_at_once() -> None:
+    """A producer killed -9 while its consumer still has a payload of it to fetch: the fetch
+    finds it gone and fails the request with StageUnavailable naming the producer's stage,
+    and the master, told so, finds the process exited and declares the replica dead at once,
+    long before its heartbeat timeout (no launcher watches these workers: they are started
+    by hand), so that no new request is bound to it meanwhile."""
+    data: dict[str, Any] = _spec(sizes=[8 << 20], heartbeat_timeout="60s").to_dict()
+    # The second piece's fetch needs acks from the sink's loop, which its first piece's
+    # compute holds: so it is still at the producer when the producer dies.
+    data["edges"][0]["transport"] = {
+        "kind": "network",
+        "options": {"window": "1MiB", "segment_size": "1MiB"},
+    }
+    data["stages"]["sink"]["params"] = {"block": 1.5}
+    spec = PipelineSpec.from_dict(data)
+    pipe = Pipeline(spec)
+    starting = asyncio.ensure_future(pipe.start(launch=False))
+    procs = []
+    try:
+        await wait_for(lambda: pipe._master is not None and bool(pipe._master.endpoint), 30)
+        for stage in ("source", "sink"):
+            procs.append(start_stagewire("worker", "--master", pipe.master_endpoint,
+                                         "--stage", stage, "--headless"))  # fmt: skip
+        await asyncio.wait_for(starting, 60)
+        master = pipe._master
+        assert master is not None
+        request = asyncio.ensure_future(pipe.submit(Text("2")))
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        procs[0].kill()
+        with pytest.raises(StageUnavailable, match="'source' unavailable"):
+            await asyncio.wait_for(request, 30)
+        assert not master.replicas[("source", 0)].alive
+        assert time.monotonic() - t0 < 10  # the heartbeat timeout is 60 s
+    finally:
+        if not starting.done():
+            starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        kill_all(procs)
+        await pipe.aclose()
 
 
 def _ours(pids: list[int]) -> list[str]:
