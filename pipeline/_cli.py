@@ -44,6 +44,7 @@ from pipeline._errors import (
     PipelineError,
     StageError,
 )
+from pipeline._host import is_wildcard, split_endpoint
 from pipeline._logging import configure_logging
 from pipeline._report import render_tables
 from pipeline._security import (
@@ -120,10 +121,6 @@ def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
     return values
 
 
-#: A bind address that no remote worker could connect to as given.
-_WILDCARD = re.compile(r"tcp://(\*|0\.0\.0\.0|\[::\]|\[::0\]):")
-
-
 def _load(args: argparse.Namespace) -> Pipeline:
     """The pipeline of ``args.config``, its master bound where ``--bind`` says, with the
     key pair ``--keys`` names.
@@ -136,7 +133,8 @@ def _load(args: argparse.Namespace) -> Pipeline:
     except ConfigError as exc:
         raise _Fail(str(exc), EXIT_CONFIG) from exc
     bind = args.bind or pipe.spec.master.bind
-    if args.external_workers and _WILDCARD.match(bind):
+    parts = split_endpoint(bind)
+    if args.external_workers and parts is not None and is_wildcard(parts[0]):
         raise _Fail(
             f"--external-workers with the master bound to {bind!r}: workers are told the "
             "address the master binds, so bind one they can reach, such as "

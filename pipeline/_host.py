@@ -20,7 +20,7 @@ import socket
 from functools import cache
 from pathlib import Path
 
-__all__ = ("address_toward", "host_identity", "is_wildcard", "tcp_endpoint")
+__all__ = ("address_toward", "host_identity", "is_wildcard", "split_endpoint", "tcp_endpoint")
 
 _SOURCES = ("/etc/machine-id", "/var/lib/dbus/machine-id", "/proc/sys/kernel/random/boot_id")
 
@@ -41,7 +41,7 @@ def host_identity() -> str:
     return hashlib.blake2s("|".join(parts).encode(), digest_size=8).hexdigest()
 
 
-def _split(endpoint: str) -> tuple[str, int] | None:
+def split_endpoint(endpoint: str) -> tuple[str, int] | None:
     """(host, port) of ``tcp://HOST:PORT`` (brackets of an IPv6 host removed); else None."""
     if not endpoint.startswith("tcp://"):
         return None
@@ -76,7 +76,7 @@ def address_toward(endpoint: str) -> str:
     Raises:
         OSError: the endpoint's host does not resolve, or no route leads there.
     """
-    parts = _split(endpoint)
+    parts = split_endpoint(endpoint)
     if parts is None:
         return "127.0.0.1"
     host, port = parts

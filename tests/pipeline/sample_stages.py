@@ -340,9 +340,10 @@ class WhoAmI(Stage):
     does not stop a thread), and counts the loops that stopped that way."""
 
     async def setup(self) -> None:
-        self.stopped = 0
+        self.spinning = self.stopped = 0
 
     def _spin(self, ctx: Context) -> None:
+        self.spinning += 1
         deadline = time.monotonic() + 60
         while not ctx.cancelled and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -350,7 +351,7 @@ class WhoAmI(Stage):
             self.stopped += 1
 
     def statistics(self) -> dict[str, int]:
-        return {"stopped": self.stopped}
+        return {"spinning": self.spinning, "stopped": self.stopped}
 
     async def process(self, text: Text, ctx: Context) -> Text:
         ctx.log.warning("who_am_i", said=text.value)

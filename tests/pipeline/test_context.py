@@ -43,14 +43,21 @@ async def test_an_aborted_handlers_thread_sees_ctx_cancelled_and_stops() -> None
     async with Pipeline(spec({"who": ":WhoAmI"}, [])) as pipe:
         stream = pipe.stream(Text("spin"))
         waiting = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0.5)
+
+        async def counter(name: str) -> int:
+            stats = await pipe.statistics()
+            return int(stats["replicas"][0]["counters"][name])
+
+        async def spinning() -> bool:
+            return await counter("spinning") == 1
+
+        await wait_for(spinning, 10)  # the thread's loop runs
         assert stream.request_id is not None
         assert await pipe.abort(stream.request_id, "enough")
         with pytest.raises(RequestAborted, match="enough"):
             await asyncio.wait_for(waiting, 10)
 
         async def stopped() -> bool:
-            stats = await pipe.statistics()
-            return bool(stats["replicas"][0]["counters"]["stopped"] == 1)
+            return await counter("stopped") == 1
 
         await wait_for(stopped, 10)

@@ -289,6 +289,9 @@ async def test_a_consumer_finding_its_producer_gone_has_the_master_declare_it_at
         master = pipe._master
         assert master is not None
         request = asyncio.ensure_future(pipe.submit(Text("2")))
+        # The kill must land inside the sink's 1.5 s of compute on piece 0, when its loop
+        # can answer nothing (not even statistics) and piece 1 waits at the producer: a
+        # moment in a known window, not a condition any process could report.
         await asyncio.sleep(0.5)
         t0 = time.monotonic()
         procs[0].kill()
