@@ -184,6 +184,13 @@ class Inflow:
         #: cancelled (a handler's own timeout): the next read takes its payload.
         self.fetching: tuple[asyncio.Task[Any], Item, bool] | None = None
 
+    def reading(self, item: Item) -> bool:
+        """Whether ``item`` is the chunk the reader has taken and not yet finished with."""
+        held, fetching = self.held, self.fetching
+        return (held is not None and held[0] == item) or (
+            fetching is not None and fetching[1] == item
+        )
+
     def end(self, exc: BaseException | None = None) -> None:
         """Release everything held: fail a waiting reader with ``exc``, or end its stream.
 
@@ -681,13 +688,21 @@ class InputChannel:
         """Start receiving ``request_id`` on this edge."""
         timeout = self.plan.chunk_timeout if chunk_timeout is None else chunk_timeout
         self._open += 1
-        return Inflow(
-            ReorderBuffer(
-                request_id, self.plan.name, chunk_timeout=timeout, on_discard=self.discard
-            ),
+        inflow: Inflow
+
+        def discard(item: Item) -> None:
+            # A repeat of the chunk this request's reader has taken and not yet finished
+            # names the payload the reader is fetching: its release would fail that fetch
+            # and lose the chunk. The fetch's own release covers both.
+            if not inflow.reading(item):
+                self.discard(item)
+
+        inflow = Inflow(
+            ReorderBuffer(request_id, self.plan.name, chunk_timeout=timeout, on_discard=discard),
             self._credit_step,
             self._closed_one,
         )
+        return inflow
 
     def _closed_one(self) -> None:
         self._open -= 1

@@ -477,21 +477,7 @@ def test_a_completed_request_leaves_no_descriptor_held(
     _run(host, scenario, stream.sizes)
 
 
-#: A runtime bug this file found (see the test below); the network transport only.
-REPEAT_MID_FETCH_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="a repeat of a run that arrives while the run's first chunk is being fetched over "
-    "the network is released as a duplicate, and its release (InputChannel.discard -> "
-    "NetworkReceiver.release) fails the fetch under way: the read raises TransportError "
-    "'stale descriptor: token ... was taken already', and the chunk is lost",
-)
-
-
-@pytest.mark.parametrize(
-    "host",
-    ["h1", pytest.param("h2", marks=REPEAT_MID_FETCH_BUG)],
-    ids=["inline+shm", "inline+network"],
-)
+@HOSTS
 @PROPERTY
 @given(stream=streams(with_large=True), data=st.data())
 def test_a_repeat_arriving_while_its_chunk_is_fetched_loses_nothing(
