@@ -378,7 +378,14 @@ class Master:
         self.orch.replicas[msg.stage][msg.replica] = ReplicaView(
             msg.stage, msg.replica, msg.data_endpoint, msg.host, local_pid(msg.pid, msg.pidns)
         )
-        log.info("replica_registered", stage=msg.stage, replica=msg.replica, pid=msg.pid)
+        log.info(
+            "replica_registered",
+            stage=msg.stage,
+            replica=msg.replica,
+            pid=msg.pid,
+            host=msg.host,
+            devices=msg.devices,
+        )
         self._send(identity, self._assignment(msg.stage, msg.replica))
         self._broadcast_peers(but=identity)
 

@@ -29,6 +29,7 @@ import zmq
 from pipeline import _collector
 from pipeline._actor import StageActor
 from pipeline._config import PipelineSpec
+from pipeline._devices import check_device, visible_devices
 from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import ConfigError, FailureInfo, TransportError, format_traceback
 from pipeline._host import address_toward, host_identity, is_wildcard, tcp_endpoint
@@ -240,6 +241,7 @@ class _Worker:
             self.host,
             os.getpid(),
             self.endpoint,
+            visible_devices(),
             local_endpoint=self.local.address if self.local is not None else "",
             pidns=pid_namespace(),
         )
@@ -272,6 +274,7 @@ class _Worker:
             plan = build_plan(spec).stages[self.stage]
             # Before setup, so that the threads it starts (torch's) inherit the policy.
             apply_scheduling(plan.spec.scheduling)
+            check_device(plan.spec.device, self.stage)
             instance = plan.signature.cls(
                 params=plan.params, name=self.stage, replica=self.replica, device=plan.spec.device
             )
