@@ -36,6 +36,7 @@ from pipeline._errors import (
     TransportError,
     TransportFull,
 )
+from pipeline._host import split_endpoint
 from pipeline._keys import ChunkKey
 from pipeline._latency import LatencyRecorder
 from pipeline._messages import NO_DESCRIPTOR, Chunks, ChunksOut, Credit, encode_message
@@ -78,9 +79,8 @@ LONE_WINDOWS = 4
 
 def _bind_host(endpoint: str) -> str:
     """The address of a ``tcp://HOST:PORT`` endpoint; loopback for anything else."""
-    if endpoint.startswith("tcp://"):
-        return endpoint[len("tcp://") :].rsplit(":", 1)[0]
-    return "127.0.0.1"
+    split = split_endpoint(endpoint)
+    return "127.0.0.1" if split is None else split[0]
 
 
 @dataclass(frozen=True, slots=True)
