@@ -446,11 +446,22 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version; ``unknown`` when run from a tree not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stagewire")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     from pipeline._worker import parser as worker_parser
 
     p = argparse.ArgumentParser(prog="stagewire", description="Staged inference pipelines.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--version", action="version", version=f"stagewire {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run", help="run a pipeline over a batch of inputs (workers local, or started elsewhere)"

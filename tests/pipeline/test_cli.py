@@ -214,3 +214,11 @@ def test_error_messages_are_flattened_to_one_line() -> None:
     text = "2 validation errors for Params\nsize\n  Input should be a valid integer\n"
     flat = "2 validation errors for Params | size | Input should be a valid integer"
     assert _one_line(text) == flat
+
+
+def test_version_names_the_installed_distribution() -> None:
+    from importlib.metadata import version
+
+    res = _run("--version")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"stagewire {version('stagewire')}"
