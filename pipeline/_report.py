@@ -81,7 +81,13 @@ def edge_rows(
     )
     for edge in ordered:
         row = sent[edge]
-        used = ", ".join(f"{k} {v}" for k, v in sorted(row["used"].items())) or "-"
+        used = ", ".join(f"{k} {v}" for k, v in sorted(row["used"].items()))
+        # A stream that ends after its last payload ends with a chunk that carries none:
+        # no transport carried it, but it is counted among the chunks.
+        ends = row["chunks"] - sum(row["used"].values())
+        if ends > 0:
+            used += f"{', ' if used else ''}{ends} end mark{'s' if ends != 1 else ''}"
+        used = used or "-"
         if row["fallbacks"]:
             used += f" ({row['fallbacks']} fell back)"
         hop = hops.get(edge, {})

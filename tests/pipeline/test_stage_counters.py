@@ -44,3 +44,19 @@ def test_the_table_has_no_counters_column_when_no_stage_counts() -> None:
     for table in render_tables({"replicas": [replica], "client": {"outputs": [], "inputs": []}}):
         console.print(table)
     assert "counters" not in console.export_text()
+
+
+async def test_the_edge_table_counts_a_streams_end_mark_apart_from_its_payloads() -> None:
+    """A stream's last chunk marks its end and carries nothing: the table says so, so that
+    the chunks column adds up with what each transport carried."""
+    s = spec({"tokens": ":Tokens", "collect": ":Collect"}, [("tokens", "collect")])
+    async with Pipeline(s) as pipe:
+        for words in ("a b c", "d e"):
+            assert await pipe.submit(Text(words)) == Text(words)
+        stats = await pipe.statistics()
+    console = Console(width=200, record=True)
+    for table in render_tables(stats, edge_order=["tokens->collect"]):
+        console.print(table)
+    (line,) = [x for x in console.export_text().splitlines() if "tokens->collect" in x]
+    cells = [c.strip() for c in line.split("│")]
+    assert cells[2] == "7" and cells[5] == "inline 5, 2 end marks", line
