@@ -421,7 +421,13 @@ class StageActor:
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)
         if req is None:
-            inflows = {edge: ch.open(request_id) for edge, (_, ch) in self._inputs_by_edge.items()}
+            # A join's handler starts with its first input: the producers of the others may
+            # still be busy with other requests, which is no gap in their streams.
+            join = len(self._inputs_by_edge) > 1
+            inflows = {
+                edge: ch.open(request_id, time_first=not join)
+                for edge, (_, ch) in self._inputs_by_edge.items()
+            }
             req = self._requests[request_id] = _Request(request_id, inflows)
         return req
 

@@ -684,8 +684,10 @@ class InputChannel:
             self._decoders[name] = decode
         return decode
 
-    def open(self, request_id: str, *, chunk_timeout: float | None = None) -> Inflow:
-        """Start receiving ``request_id`` on this edge."""
+    def open(
+        self, request_id: str, *, chunk_timeout: float | None = None, time_first: bool = True
+    ) -> Inflow:
+        """Start receiving ``request_id`` on this edge (``time_first``: see ReorderBuffer)."""
         timeout = self.plan.chunk_timeout if chunk_timeout is None else chunk_timeout
         self._open += 1
         inflow: Inflow
@@ -698,7 +700,13 @@ class InputChannel:
                 self.discard(item)
 
         inflow = Inflow(
-            ReorderBuffer(request_id, self.plan.name, chunk_timeout=timeout, on_discard=discard),
+            ReorderBuffer(
+                request_id,
+                self.plan.name,
+                chunk_timeout=timeout,
+                on_discard=discard,
+                time_first=time_first,
+            ),
             self._credit_step,
             self._closed_one,
         )

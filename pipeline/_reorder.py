@@ -35,6 +35,11 @@ class ReorderBuffer(Generic[T]):
             :class:`ChunkGap`; ``math.inf`` disables the deadline.
         on_discard: called with every item the buffer refuses or drops without
             delivering it. It should not raise.
+        time_first: whether a wait for seq 0, with nothing offered yet, is timed too.
+            False where the consumer starts before its producer may have begun (one input
+            of a join, whose producer can be busy with other requests): such a wait is
+            timed only once a later seq arrives, and is bounded otherwise by the request's
+            own end (its deadline, a failure upstream, an abort).
     """
 
     __slots__ = (
@@ -54,8 +59,10 @@ class ReorderBuffer(Generic[T]):
         "_max_seq",
         "_on_discard",
         "_request_id",
+        "_time_first",
         "_timeout",
         "_timer",
+        "_untimed",
         "_waiter",
     )
 
@@ -66,6 +73,7 @@ class ReorderBuffer(Generic[T]):
         *,
         chunk_timeout: float,
         on_discard: Callable[[T], None] | None = None,
+        time_first: bool = True,
     ) -> None:
         if not chunk_timeout > 0:  # Also rejects NaN.
             raise ValueError(f"chunk_timeout must be positive, got {chunk_timeout!r}")
@@ -73,6 +81,9 @@ class ReorderBuffer(Generic[T]):
         self._edge = edge
         self._timeout = chunk_timeout
         self._on_discard = on_discard
+        self._time_first = time_first
+        #: A get() waits for seq 0 untimed (``time_first`` False, nothing offered yet).
+        self._untimed = False
         self._chunks: dict[int, tuple[T, bool]] = {}
         self._waiter: asyncio.Future[None] | None = None
         self._expired = False
@@ -170,8 +181,12 @@ class ReorderBuffer(Generic[T]):
             if seq > self._max_seq:
                 self._max_seq = seq
             waiter = self._waiter
-            if seq == self._expected and waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            if waiter is not None:
+                if seq == self._expected:
+                    if not waiter.done():
+                        waiter.set_result(None)
+                elif self._untimed:
+                    self._arm(waiter.get_loop())  # a later seq came first: a real gap now
             return True
         if self._on_discard is not None:
             self._on_discard(item)
@@ -202,7 +217,8 @@ class ReorderBuffer(Generic[T]):
         Raises:
             EndOfChannel: the final chunk was delivered, or the buffer was closed.
             ChunkGap: the next seq did not arrive within ``chunk_timeout`` of this call
-                starting to wait. The buffer stays usable; the caller usually aborts.
+                starting to wait (with ``time_first`` False and nothing offered yet: of a
+                later seq arriving). The buffer stays usable; the caller usually aborts.
             RuntimeError: another task is already waiting in ``get()``.
             BaseException: the exception given to :meth:`abort` (RequestAborted by default).
         """
@@ -217,10 +233,10 @@ class ReorderBuffer(Generic[T]):
         # own: it moves the deadline, and one timer per buffer, re-armed lazily when it
         # fires early, enforces it. A timer per wait cost more than the rest of the wait.
         self._expired = False
-        if not math.isinf(self._timeout):
-            self._deadline = loop.time() + self._timeout
-            if self._timer is None:
-                self._timer = loop.call_at(self._deadline, self._expire)
+        if self._time_first or self._expected or self._chunks:
+            self._arm(loop)
+        else:
+            self._untimed = True
         try:
             while not (self._closed or self._finished):
                 self._waiter = loop.create_future()
@@ -233,13 +249,22 @@ class ReorderBuffer(Generic[T]):
                     raise ChunkGap(self._request_id, self._edge, self._expected, self._timeout)
         finally:
             self._waiter = None
+            self._untimed = False
         raise self._ended_error()
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the waiting get()'s deadline: ``chunk_timeout`` from now."""
+        self._untimed = False
+        if not math.isinf(self._timeout):
+            self._deadline = loop.time() + self._timeout
+            if self._timer is None:
+                self._timer = loop.call_at(self._deadline, self._expire)
 
     def _expire(self) -> None:
         self._timer = None
         waiter = self._waiter
-        if waiter is None or waiter.done():
-            return  # nobody waits; the next wait arms a timer again
+        if waiter is None or waiter.done() or self._untimed:
+            return  # nobody waits, or untimed; the next wait (or a later seq) arms it again
         loop = waiter.get_loop()
         if loop.time() < self._deadline:
             self._timer = loop.call_at(self._deadline, self._expire)

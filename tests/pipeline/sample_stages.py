@@ -208,6 +208,18 @@ class Encode(Stage):
         return Pixels([v * 2 for v in pixels.values])
 
 
+#: How long SlowEncode takes per request.
+SLOW_ENCODE_S = 0.3
+
+
+class SlowEncode(Stage):
+    """Doubles the pixel values, taking SLOW_ENCODE_S (a model's forward, say)."""
+
+    async def process(self, pixels: Pixels, ctx: Context) -> Pixels:
+        await asyncio.sleep(SLOW_ENCODE_S)
+        return Pixels([v * 2 for v in pixels.values])
+
+
 class Prefill(Stage):
     """Joins ids from 'pre' and pixels from 'encode' for the same request."""
 

@@ -218,3 +218,23 @@ async def test_a_cancelled_await_inside_a_handler_fails_only_that_request(batche
             outs = await asyncio.gather(*(pipe.submit(Text(f"ok {i}")) for i in range(8)))
         assert outs == [Text(f"ok {i}") for i in range(8)]
         await wait_for(lambda: settled(pipe))
+
+
+async def test_a_join_waits_for_an_input_whose_producer_is_busy_without_a_gap() -> None:
+    """A join's handler starts with its first input; the other's producer may be busy with
+    other requests (one at a time here) for longer than chunk_timeout. That is no gap in its
+    stream: every request is served."""
+    s = spec(
+        {
+            "pre": ":Pre",
+            "encode": {"impl": ":SlowEncode", "max_concurrency": 1},
+            "prefill": ":Prefill",
+        },
+        [("pre", "encode"), ("pre", "prefill"), ("encode", "prefill")],
+        chunk_timeout="500ms",
+    )
+    async with Pipeline(s) as pipe:
+        # Five queue at encode: the last one's pixels reach prefill 1.5 s after its ids.
+        results = await asyncio.gather(*(pipe.submit(Text(f"r{i}")) for i in range(5)))
+        assert results == [Text(f"r{i}|2") for i in range(5)]
+        await wait_for(lambda: settled(pipe))

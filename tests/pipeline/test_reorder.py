@@ -117,6 +117,45 @@ async def test_nothing_offered_raises_chunk_gap_for_seq_zero() -> None:
     assert (info.value.request_id, info.value.edge, info.value.seq) == ("r1", "a->b", 0)
 
 
+async def test_an_untimed_first_wait_is_timed_once_a_later_seq_shows_a_gap() -> None:
+    """With ``time_first`` off, waiting for seq 0 before anything came is not a gap (its
+    producer may not have begun); a later seq arriving first makes it one, timed from then."""
+    buf = ReorderBuffer[Item]("r1", "a->b", chunk_timeout=0.05, time_first=False)
+    loop = asyncio.get_running_loop()
+    getter = asyncio.create_task(buf.get())
+    await asyncio.sleep(0.25)  # five timeouts: a timed wait would have failed by now
+    assert not getter.done() and buf.waiting
+    arrived = loop.time()
+    assert buf.offer(1, (1, 0), True)
+    async with asyncio.timeout(2):
+        with pytest.raises(ChunkGap) as info:
+            await getter
+    assert loop.time() - arrived >= 0.04
+    assert info.value.seq == 0
+    assert buf.offer(0, (0, 1), False)  # the buffer stays usable
+    assert [await buf.get(), await buf.get()] == [((0, 1), False), ((1, 0), True)]
+
+
+async def test_an_untimed_first_wait_ends_with_its_first_chunk_or_the_request() -> None:
+    """Untimed, the first wait ends when seq 0 comes, or when the request ends (abort)."""
+    first = ReorderBuffer[Item]("r1", "a->b", chunk_timeout=0.02, time_first=False)
+    getter = asyncio.create_task(first.get())
+    await asyncio.sleep(0.1)
+    assert first.offer(0, (0, 0), False)
+    async with asyncio.timeout(1):
+        assert await getter == ((0, 0), False)
+    # From the second chunk on, every wait is timed.
+    with pytest.raises(ChunkGap):
+        await first.get()
+    aborted = ReorderBuffer[Item]("r2", "a->b", chunk_timeout=0.02, time_first=False)
+    getter = asyncio.create_task(aborted.get())
+    await asyncio.sleep(0.1)
+    aborted.abort(RequestAborted("r2", "deadline"))
+    async with asyncio.timeout(1):
+        with pytest.raises(RequestAborted):
+            await getter
+
+
 async def test_chunk_arriving_within_the_timeout_is_delivered() -> None:
     """A chunk offered while get() waits wakes it before the deadline."""
     buf, _ = make(timeout=5.0)
