@@ -255,15 +255,17 @@ class Pipeline:
         if on_listening is not None:
             on_listening(self._master.endpoint)
         if launch:
-            self._launcher = LocalLauncher(
+            self._launcher = launcher = LocalLauncher(
                 self.spec,
                 self._master.endpoint,
-                lambda s, k, code: self._master_or_fail().replica_lost(
-                    s, k, f"exited with code {code}"
+                lambda s, k, code, pid: self._master_or_fail().replica_lost(
+                    s, k, f"exited with code {code}", pid
                 ),
                 on_given_up=lambda s, k: self._master_or_fail().orch.replica_given_up(s, k),
                 keys=keys,
             )
+            # A worker declared dead for silence is ended, so that its slot is restarted.
+            self._master.on_silent = launcher.kill_hung
         try:
             if self._launcher is not None:
                 await self._launcher.start_all()

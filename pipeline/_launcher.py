@@ -19,11 +19,14 @@ import structlog
 
 from pipeline._config import PipelineSpec
 from pipeline._security import KEYS_ENV, CurveKeys
-from pipeline._worker import EXIT_SETUP_FAILED
 
 __all__ = ("LocalLauncher",)
 
 log = structlog.get_logger("stagewire.launcher")
+
+#: A worker that ran this long before it exited had recovered: its restart budget (and
+#: backoff) start afresh, so crashes days apart never use it up.
+STABLE_S = 60.0
 
 
 class LocalLauncher:
@@ -33,9 +36,10 @@ class LocalLauncher:
         self,
         spec: PipelineSpec,
         master: str,
-        on_exit: Callable[[str, int, int], None],
+        on_exit: Callable[[str, int, int, int], None],
         *,
         max_restarts: int = 3,
+        stable_s: float = STABLE_S,
         on_given_up: Callable[[str, int], None] | None = None,
         keys: CurveKeys | None = None,
     ) -> None:
@@ -53,6 +57,8 @@ class LocalLauncher:
         self._watchers: list[asyncio.Task[None]] = []
         self._closing = False
         self._max_restarts = max_restarts
+        self._stable_s = stable_s
+        #: Restarts since each slot's worker last ran for ``stable_s`` (the budget used).
         self.restarts: dict[tuple[str, int], int] = {}
         #: Restart crashed workers; set once the pipeline is up (before that, a worker
         #: that exits is a start-up failure to report, not to retry).
@@ -128,6 +134,8 @@ class LocalLauncher:
         return proc.pid
 
     async def _watch(self, stage: str, replica: int, proc: asyncio.subprocess.Process) -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         code = await proc.wait()
         if self._closing:
             return
@@ -135,12 +143,16 @@ class LocalLauncher:
         # still map a segment keep their mapping until they drop it.
         _remove_shared_memory([proc.pid])
         log.warning("worker_exited", stage=stage, replica=replica, pid=proc.pid, code=code)
-        self._on_exit(stage, replica, code)
+        self._on_exit(stage, replica, code, proc.pid)
         key = (stage, replica)
+        if loop.time() - began >= self._stable_s:
+            self.restarts[key] = 0
         done = self.restarts.get(key, 0)
-        # A worker that failed its setup would fail again; one that crashed or was killed
-        # is restarted (with backoff, a bounded number of times) and takes its slot back.
-        if not self.supervise or code in (0, EXIT_SETUP_FAILED) or done >= self._max_restarts:
+        # A worker that crashed, was killed, or failed its setup once the pipeline was up
+        # (a transient error, as memory its predecessor still held) is restarted, with
+        # backoff, a bounded number of times in a row, and takes its slot back. One that
+        # exited cleanly was told to; one that failed at start-up fails the start.
+        if not self.supervise or code == 0 or done >= self._max_restarts:
             if self.supervise and self._on_given_up is not None:
                 self._on_given_up(stage, replica)
             return
@@ -150,6 +162,21 @@ class LocalLauncher:
             log.info("worker_restarting", stage=stage, replica=replica, attempt=done + 1)
             # Shielded: once spawning starts it completes, so the process is tracked.
             await asyncio.shield(self.start(stage, replica))
+
+    def kill_hung(self, stage: str, replica: int, pid: int) -> bool:
+        """SIGKILL the replica's process if it is ``pid``, one this launcher started and still
+        running: the master declared it dead (it stopped answering), and only its exit
+        frees the slot for a restart. True if a signal was sent.
+
+        Raises:
+            Nothing: a pid that is not this slot's running process is left alone.
+        """
+        proc = self.procs.get((stage, replica))
+        if proc is None or proc.pid != pid or proc.returncode is not None or self._closing:
+            return False
+        log.warning("worker_killed_hung", stage=stage, replica=replica, pid=pid)
+        proc.kill()
+        return True
 
     @property
     def pids(self) -> dict[tuple[str, int], int]:

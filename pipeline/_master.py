@@ -164,6 +164,10 @@ class Master:
         self.garbage = 0
         self._tokens = itertools.count(1)
         self._stats: dict[int, tuple[asyncio.Future[None], list[dict[str, Any]], int]] = {}
+        #: Told ``(stage, replica, pid)`` when a replica on this host is declared dead for
+        #: silence while its process may still run (hung, or stopped): whoever started it
+        #: can end it, so that its slot is restarted.
+        self.on_silent: Callable[[str, int, int], object] | None = None
         self._readers: list[SocketReader] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.orchestrator: Orchestrator | None = None
@@ -432,9 +436,16 @@ class Master:
 
     # ---- liveness ------------------------------------------------------------------------
 
-    def replica_lost(self, stage: str, replica: int, why: str) -> None:
-        """Declare a replica dead and fail only the requests bound to it."""
+    def replica_lost(self, stage: str, replica: int, why: str, pid: int = 0) -> None:
+        """Declare a replica dead and fail only the requests bound to it.
+
+        With ``pid`` (a local process that exited), only if that process holds the slot: a
+        worker registered since in its place is not the one that died.
+        """
         rep = self.replicas.get((stage, replica))
+        if rep is not None and rep.alive and pid and local_pid(rep.pid, rep.pidns) not in (0, pid):
+            log.info("stale_exit_ignored", stage=stage, replica=replica, pid=pid, holder=rep.pid)
+            return
         if rep is None or not rep.alive:
             if rep is None:
                 # It died before it registered: start-up fails now, not at its timeout.
@@ -477,6 +488,9 @@ class Master:
                 # and, when local, by its process exiting, so only ready ones are timed here.
                 if rep.ready and now - rep.last_seen > timeout:
                     self.replica_lost(rep.stage, rep.replica, f"missed heartbeats for {timeout:g}s")
+                    pid = local_pid(rep.pid, rep.pidns) if rep.host == self.host else 0
+                    if pid and self.on_silent is not None:
+                        self.on_silent(rep.stage, rep.replica, pid)
                 else:
                     self._send(rep.identity, Heartbeat("@master", 0))
 

@@ -7,6 +7,7 @@ import gc
 import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 from pydantic import BaseModel
@@ -260,6 +261,26 @@ class BrokenSetup(Stage):
 
     async def setup(self) -> None:
         raise OSError("weights file is missing")
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        return text
+
+
+def _start_flakily(marker: Path) -> None:
+    if not marker.exists():
+        marker.write_text("started")
+    elif marker.read_text() == "started":
+        marker.write_text("failed once")
+        raise MemoryError("out of device memory (its predecessor's is still held)")
+
+
+class FlakySetup(Stage):
+    """Echoes. Its setup fails once, at its first restart (a transient error, as memory its
+    crashed predecessor still held); every other start succeeds. The file named by the
+    FLAKY_MARKER environment variable records the starts."""
+
+    async def setup(self) -> None:
+        await asyncio.to_thread(_start_flakily, Path(os.environ["FLAKY_MARKER"]))
 
     async def process(self, text: Text, ctx: Context) -> Text:
         return text

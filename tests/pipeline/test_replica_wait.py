@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +52,8 @@ async def test_the_wait_is_bounded() -> None:
     """A replica that never comes back (stopped, declared dead by its silence, never
     restarted) fails the waiting request after ``replica_wait``, naming the stage."""
     async with Pipeline(spec({"echo": ":Echo"}, [], replica_wait="500ms")) as pipe:
+        # As for a worker started elsewhere: nobody here ends it once it is declared dead.
+        pipe._master_or_fail().on_silent = None
         victim = pipe.worker_pids[KEY]
         os.kill(victim, signal.SIGSTOP)
         try:
@@ -110,3 +113,47 @@ async def test_a_waiting_request_cancelled_by_its_caller_gives_its_slot_back() -
             await waiting
         assert await asyncio.wait_for(pipe.submit(Text("next")), 30) == Text("next")
         assert (await pipe.statistics())["client"]["active"] == 0
+
+
+async def test_a_hung_worker_is_ended_and_its_slot_restarted() -> None:
+    """A local worker declared dead for its silence (hung: stopped here) is killed by the
+    launcher that started it, and restarted: the slot serves again."""
+    async with Pipeline(spec({"echo": ":Echo"}, [])) as pipe:
+        victim = pipe.worker_pids[KEY]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            view = pipe._master_or_fail().orch.replicas["echo"][0]
+            await wait_for(lambda: not view.ready)  # after the 2 s heartbeat timeout
+            # replica_wait (10 s) covers the restart.
+            assert await pipe.submit(Text("back")) == Text("back")
+            assert pipe.worker_pids[KEY] != victim
+            assert not any(p == victim for p in children(os.getpid()))
+        finally:
+            if victim in children(os.getpid()):
+                os.kill(victim, signal.SIGKILL)
+
+
+async def test_the_restart_budget_renews_once_a_restarted_worker_has_run_a_while() -> None:
+    """Crashes far apart never use up the restart budget: a worker that ran ``stable_s``
+    before it crashed is restarted even when the budget was spent before."""
+    async with Pipeline(spec({"echo": ":Echo"}, [])) as pipe:
+        launcher = pipe._launcher
+        assert launcher is not None
+        launcher._max_restarts, launcher._stable_s = 1, 1.0
+        for crash in range(3):
+            await _crash(pipe)
+            assert await pipe.submit(Text(f"after crash {crash}")) == Text(f"after crash {crash}")
+            assert launcher.restarts[KEY] == 1
+            # Past stable_s since the restart (which took longer than the submit's wait).
+            await asyncio.sleep(1.0)
+
+
+async def test_a_setup_that_fails_at_a_restart_is_retried(tmp_path: Path) -> None:
+    """A restarted worker whose setup fails (a transient error) is restarted again, within
+    the budget, instead of losing its slot for good."""
+    stage = {"impl": ":FlakySetup", "env": {"FLAKY_MARKER": str(tmp_path / "starts")}}
+    async with Pipeline(spec({"echo": stage}, [])) as pipe:
+        await _crash(pipe)
+        assert await pipe.submit(Text("back")) == Text("back")
+        assert (tmp_path / "starts").read_text() == "failed once"
+        assert pipe._launcher is not None and pipe._launcher.restarts[KEY] == 2
