@@ -153,8 +153,9 @@ class Orchestrator:
         candidates = [r for r in live if len(r.requests) == least]
         return candidates[next(self._rr) % len(candidates)]
 
-    async def _choose_all(self) -> dict[str, ReplicaView]:
-        """One replica per stage, waiting up to ``replica_wait`` for a stage with none ready.
+    async def _choose_all(self, until: float | None = None) -> dict[str, ReplicaView]:
+        """One replica per stage, waiting up to ``replica_wait`` for a stage with none ready,
+        and never past ``until`` (the request's deadline, on the loop's clock).
 
         Raises:
             StageUnavailable: a stage had no ready replica for the whole wait.
@@ -169,7 +170,10 @@ class Orchestrator:
                 return {stage: self._choose(stage) for stage in self.plan.stages}
             except StageUnavailable as exc:
                 if deadline is None:
-                    deadline = loop.time() + self._replica_wait
+                    began = loop.time()
+                    deadline = began + self._replica_wait
+                    if until is not None:
+                        deadline = min(deadline, until)
                     if self._replica_wait > 0:
                         self.counts["waited"] += 1
                 if all(r.given_up for r in self.replicas[exc.stage].values()):
@@ -178,9 +182,10 @@ class Orchestrator:
                     ) from None
                 left = deadline - loop.time()
                 if left <= 0:
+                    wait = round(deadline - began, 3)
                     if self._replica_wait <= 0:
                         raise
-                    waited = f"no replica is ready after waiting {self._replica_wait:g}s"
+                    waited = f"no replica is ready after waiting {wait:g}s"
                     raise StageUnavailable(exc.stage, waited) from None
             if self._readiness is None or self._readiness.done():
                 self._readiness = loop.create_future()
@@ -209,9 +214,16 @@ class Orchestrator:
 
         Raises:
             PayloadError: an input does not match its source stage's declared type.
-            StageUnavailable: some stage had no ready replica for ``replica_wait``.
+            StageUnavailable: some stage had no ready replica for ``replica_wait`` (or
+                until the request's deadline, if sooner).
+            RequestTimeout: the request's deadline passed while it waited for admission
+                (``max_inflight`` requests were in flight all along).
             RequestAborted: the pipeline closed while the request waited.
         """
+        loop = asyncio.get_running_loop()
+        # The deadline counts from here: the time a request waits to be admitted is part
+        # of the whole request that ``request_timeout`` bounds.
+        deadline = None if self._timeout is None else loop.time() + self._timeout
         if set(inputs) != set(self._to_sources):
             raise PayloadError(f"inputs must be given for sources {sorted(self._to_sources)}")
         encoded = {}
@@ -222,13 +234,18 @@ class Orchestrator:
                     f"input for stage {src!r} must be {tp.__name__}, got {type(value).__name__}"
                 )
             encoded[src] = codec_for(tp).encode(value)
-        await self._slots.acquire()
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire()
+        except TimeoutError:
+            assert self._timeout is not None
+            raise RequestTimeout("(not admitted)", self._timeout) from None
         if self._closing:
             # Waited for a slot while the pipeline closed: the slot freed is a closing one.
             self._slots.release()
             raise RequestAborted("(not admitted)", "pipeline closing")
         try:
-            chosen = await self._choose_all()
+            chosen = await self._choose_all(deadline)
         except BaseException:
             self._slots.release()
             raise
@@ -248,10 +265,9 @@ class Orchestrator:
             r.requests.add(rid)
             if stage in self._to_sources:
                 self._send_control(stage, r.replica, admit)
-        if self._timeout is not None:
-            req.timer = asyncio.get_running_loop().call_later(
-                self._timeout, self.fail, rid, RequestTimeout(rid, self._timeout)
-            )
+        if deadline is not None:
+            assert self._timeout is not None
+            req.timer = loop.call_at(deadline, self.fail, rid, RequestTimeout(rid, self._timeout))
         try:
             for src, enc in encoded.items():
                 r = chosen[src]

@@ -238,3 +238,29 @@ async def test_a_join_waits_for_an_input_whose_producer_is_busy_without_a_gap() 
         results = await asyncio.gather(*(pipe.submit(Text(f"r{i}")) for i in range(5)))
         assert results == [Text(f"r{i}|2") for i in range(5)]
         await wait_for(lambda: settled(pipe))
+
+
+async def test_the_deadline_counts_the_wait_for_admission() -> None:
+    """``request_timeout`` bounds the whole request, the wait for an admission slot
+    (``max_inflight``) included: requests queued behind a slow one fail at their deadline,
+    not at their deadline after admission."""
+    s = spec({"echo": ":Echo"}, [], max_inflight=1, request_timeout="1s")
+    async with Pipeline(s) as pipe:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def outcome() -> tuple[str, float]:
+            try:
+                await pipe.submit(Text("sleep 0.7"))
+            except RequestTimeout as exc:
+                return str(exc), loop.time() - t0
+            return "served", loop.time() - t0
+
+        results = await asyncio.gather(*(outcome() for _ in range(4)))
+        assert results[0][0] == "served"
+        # The second is admitted at 0.7 s and times out at its deadline of 1 s while it
+        # runs; the other two wait for a slot until theirs.
+        for what, at in results[1:]:
+            assert "did not complete within 1s" in what and at < 1.6, results
+        assert sum("(not admitted)" in what for what, _ in results) >= 1, results
+        await wait_for(lambda: settled(pipe))
