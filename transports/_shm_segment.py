@@ -365,14 +365,24 @@ def sweep_dead_owners() -> list[str]:
     return [name for name in list_segments() if _owner_gone(name, now) and _unlink(name)]
 
 
-def remove_segments_of(pids: Iterable[int]) -> list[str]:
-    """Unlink every segment created by one of ``pids``, alive or not; the names removed.
+def remove_segments_of(pids: Iterable[int], *, held_too: bool = False) -> list[str]:
+    """Unlink the segments created by one of ``pids`` that no process holds; the names
+    removed.
 
-    For a parent that knows which worker pids it started, once they exit or are stopped.
-    A process still using a removed segment keeps its mapping; only new readers fail.
+    For a parent that knows which worker pids it started, once they have exited. A name
+    carries its creator's pid as its own pid namespace numbers it, so another deployment
+    sharing /dev/shm from another namespace (a container on the host's IPC namespace) can
+    have a live segment under the same pid: its owner's lock keeps it. With ``held_too``,
+    held segments go as well (tests that must not leave one behind). A process still using
+    a removed segment keeps its mapping; only new readers fail.
     """
     wanted = {int(pid) for pid in pids}
-    return [name for name in list_segments() if _pid_of(name) in wanted and _unlink(name)]
+    now = time.time()
+    return [
+        name
+        for name in list_segments()
+        if _pid_of(name) in wanted and (held_too or _owner_gone(name, now)) and _unlink(name)
+    ]
 
 
 _sweep_lock = threading.Lock()
