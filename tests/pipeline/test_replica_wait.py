@@ -157,3 +157,16 @@ async def test_a_setup_that_fails_at_a_restart_is_retried(tmp_path: Path) -> Non
         assert await pipe.submit(Text("back")) == Text("back")
         assert (tmp_path / "starts").read_text() == "failed once"
         assert pipe._launcher is not None and pipe._launcher.restarts[KEY] == 2
+
+
+async def test_an_exit_of_a_process_that_no_longer_holds_the_slot_is_ignored() -> None:
+    """The exit of a process whose slot another worker has taken since (registered in its
+    place) does not declare that worker dead: only the slot's holder can die for it."""
+    async with Pipeline(spec({"echo": ":Echo"}, [])) as pipe:
+        master = pipe._master_or_fail()
+        holder = pipe.worker_pids[KEY]
+        master.replica_lost("echo", 0, "exited with code -9", holder + 100_000)
+        assert master.replicas[KEY].alive and master.orch.replicas["echo"][0].ready
+        assert await pipe.submit(Text("still here")) == Text("still here")
+        master.replica_lost("echo", 0, "exited with code -9", holder)
+        assert not master.replicas[KEY].alive
