@@ -355,6 +355,12 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
     master decodes as that type), and each output is printed as JSON as it arrives,
     tensors and arrays summarised.
     """
+    if not args.timeout > 0:
+        # Checked first: a timeout of 0 would bound the connecting too, and fail it as if
+        # no master answered at --master.
+        raise _Fail(
+            f"--timeout must be a positive number of seconds, not {args.timeout:g}", EXIT_CONFIG
+        )
     try:
         value = msgspec.json.decode(args.input)
     except msgspec.DecodeError as exc:

@@ -29,6 +29,7 @@ import traceback as _traceback
 import msgspec
 
 __all__ = (
+    "MASTER_STAGE",
     "ChunkGap",
     "ConfigError",
     "EndOfChannel",
@@ -115,6 +116,11 @@ class StageUnavailable(PipelineError):
         super().__init__(f"stage {stage!r} unavailable{rid}: {message}")
 
 
+#: The ``stage`` of a :class:`MasterUnavailable`, and of its :class:`FailureInfo` record: a
+#: client rebuilds such a record as MasterUnavailable (naming its own endpoint for the master).
+MASTER_STAGE = "@master"
+
+
 class MasterUnavailable(StageUnavailable):
     """A remote master (:meth:`Pipeline.connect`) did not answer: nothing serves at its
     endpoint, it refused the connection, or it went away while requests were in flight.
@@ -125,7 +131,7 @@ class MasterUnavailable(StageUnavailable):
 
     def __init__(self, endpoint: str, message: str, *, request_id: str | None = None) -> None:
         self.endpoint = endpoint
-        self.stage = "@master"
+        self.stage = MASTER_STAGE
         self.request_id = request_id
         self.message = message
         rid = f" (request {request_id})" if request_id else ""

@@ -22,7 +22,14 @@ import structlog
 import zmq
 
 from pipeline._encoded import DECODE_ERRORS
-from pipeline._errors import ConfigError, PipelineError, StageUnavailable, failure_to_error
+from pipeline._errors import (
+    MASTER_STAGE,
+    ConfigError,
+    FailureInfo,
+    PipelineError,
+    StageUnavailable,
+    failure_to_error,
+)
 from pipeline._host import host_identity
 from pipeline._keys import CLIENT
 from pipeline._local_link import LocalListener, local_links_enabled
@@ -58,7 +65,13 @@ from pipeline._orchestrator import Orchestrator, ReplicaView
 from pipeline._pulse import pulse_identity
 from pipeline._security import CurveKeys, secure_server, stop_guard
 from pipeline._signature import EdgePlan, PipelinePlan
-from pipeline._sockets import Outbox, SocketReader, bind_ephemeral, new_context
+from pipeline._sockets import (
+    Outbox,
+    SocketReader,
+    bind_ephemeral,
+    new_context,
+    set_heartbeats,
+)
 from pipeline._worker import MAX_DATA_MESSAGE
 from transports._liveness import local_pid, pid_alive, pid_namespace
 from transports._registry import AUTO, resolve_transport
@@ -146,6 +159,15 @@ class Master:
         # dropped without a word, and a remote client's outputs (``stagewire submit``) are
         # data that must not be. A peer that goes away takes its queue with it.
         self.router.setsockopt(zmq.SNDHWM, 0)
+        # ZMTP heartbeats: a peer cut off without a TCP close (a partition, a frozen host)
+        # would otherwise stay connected for ever, and a remote client's requests run on for
+        # nobody (a send into such a connection never fails). Its connection goes after
+        # twice the heartbeat timeout of silence, when a worker gives up a silent master
+        # too; the client server's next Alive to it then fails, and its requests are
+        # cancelled. (A client's own HEARTBEAT_TTL is no substitute: ZMQ arms it only on
+        # a PING, so a request sent just before the cut disarms it.)
+        silence = 2 * plan.spec.defaults.heartbeat_timeout
+        set_heartbeats(self.router, plan.spec.defaults.heartbeat_interval, silence, silence)
         self.inbox = secure_server(self.zctx.socket(zmq.PULL), keys)
         self.inbox.setsockopt(zmq.RCVHWM, 0)
         self.inbox.setsockopt(zmq.LINGER, 0)
@@ -172,7 +194,8 @@ class Master:
         self._tasks: list[asyncio.Task[None]] = []
         self.orchestrator: Orchestrator | None = None
         #: Handles remote clients' messages (``stagewire master``); None refuses them,
-        #: unless ``serves_clients``: then they wait for it (unanswered; clients ask again).
+        #: unless ``serves_clients``: then a Hello waits for it (unanswered; clients ask
+        #: again) and a Submit is answered MasterUnavailable.
         self.on_client: Callable[[bytes, FromClient], None] | None = None
         self.serves_clients = serves_clients
         self._closed = False
@@ -284,9 +307,19 @@ class Master:
         if isinstance(msg, FromClient):
             if self.on_client is not None:
                 self.on_client(identity, msg)
+            elif self.serves_clients and isinstance(msg, Submit):
+                # Not serving yet (its workers not all ready) or any more (stopping). A
+                # client's Hello waits unanswered (it asks again until its timeout), but a
+                # request is answered: its client, whose connection came back before it
+                # learnt that this is a new master, would otherwise wait on it for ever.
+                why = (
+                    "it is not serving (it is starting, waiting for its workers, or "
+                    "stopping); submit again once it serves"
+                )
+                failure = FailureInfo("unavailable", why, stage=MASTER_STAGE)
+                self._send(identity, Finished(msg.token, "MasterUnavailable", why, failure))
             elif not self.serves_clients and isinstance(msg, Submit | Hello):
-                # A master that will serve clients answers nothing until it does (its
-                # workers not all ready yet): a client says Hello again until its timeout.
+                # A batch run never serves clients: it says so at once.
                 self._send(
                     identity,
                     Finished(

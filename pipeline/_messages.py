@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from pipeline._encoded import Encoded
 from pipeline._errors import FailureInfo, PayloadError
 
 __all__ = (
@@ -216,26 +217,31 @@ class StatsReply(_Msg, frozen=True, tag="stats"):
     stats: dict[str, Any]
 
 
-#: What a control message carrying a payload needs beyond the payload's own bytes (its
-#: tag, token, the sink's name, msgpack lengths), generously: a payload within
-#: ``MAX_CONTROL_MESSAGE - ENVELOPE_BYTES`` always fits one message.
+#: What a control message carrying a payload needs beyond the payload's own bytes and its
+#: buffers' headers (its tag, token, the sink's name, msgpack lengths), generously.
 ENVELOPE_BYTES = 64 * 1024
+#: What msgpack writes before each out-of-band buffer at most (a bin 32 header): a payload
+#: of many small tensors carries one per tensor, beyond the envelope.
+BUFFER_HEADER_BYTES = 5
 #: Largest control message a socket accepts, in bytes.
 MAX_CONTROL_MESSAGE = 64 * 1024 * 1024
 
 
-def check_client_payload(nbytes: int, what: str) -> None:
+def check_client_payload(encoded: Encoded, what: str) -> None:
     """Refuse ``what`` (a remote client's input, or an output for it) that one control
-    message cannot carry.
+    message cannot carry: its bytes, with a header per buffer and the envelope, must stay
+    within :data:`MAX_CONTROL_MESSAGE`, or the receiving socket drops the connection.
 
     Raises:
-        PayloadError: ``nbytes`` is past the limit; the message says what to do instead.
+        PayloadError: the payload is past the limit; the message says what to do instead.
     """
+    size = encoded.nbytes + BUFFER_HEADER_BYTES * len(encoded.buffers)
     limit = MAX_CONTROL_MESSAGE - ENVELOPE_BYTES
-    if nbytes > limit:
+    if size > limit:
+        parts = f" in {len(encoded.buffers)} buffers" if len(encoded.buffers) > 1 else ""
         raise PayloadError(
-            f"{what} is {nbytes} bytes, more than a remote client can be sent or send in one "
-            f"message ({limit}); pass large data by reference (a path or URL) instead"
+            f"{what} is {size} bytes{parts}, more than a remote client can be sent or send in "
+            f"one message ({limit}); pass large data by reference (a path or URL) instead"
         )
 
 

@@ -18,11 +18,18 @@
   the master's answers to each request's queue, in order.
 - A request never waits forever on a master that has gone. When the connection drops (the
   master stopped or restarted), every request in flight on it fails at once with
-  :class:`MasterUnavailable`, since its answers may have been lost with it. While requests
-  are in flight and the master is quiet, the client says ``Hello`` again, and a request
-  that has heard nothing for ``timeout`` fails the same way (a master that is unreachable,
-  or stuck). A request also fails with :class:`RequestTimeout` once past the pipeline's
-  ``request_timeout`` (which the master enforces first) plus ``timeout``.
+  :class:`MasterUnavailable`, since its answers may have been lost with it. A request made
+  after that waits, unsent, until a master welcomes the client again, and fails the same
+  way if none has within ``timeout``; a new master (a restart the client did not see as a
+  drop) fails every request sent before its ``Welcome``. While requests are in flight and
+  the master is quiet, the client says ``Hello`` again, and a request that has heard
+  nothing for ``timeout`` fails the same way (a master that is unreachable, or stuck). A
+  request also fails with :class:`RequestTimeout` once past the pipeline's
+  ``request_timeout`` (which the master enforces first) plus ``timeout``, from when it was
+  sent.
+- A connection that ZMQ gives up for good (a refused handshake, a message past the size
+  limit) is replaced by a fresh one (:mod:`pipeline._remote_link`), so the client serves
+  again once the master is fixed.
 - Leaving a stream early, cancelling the task that reads it, :meth:`RemotePipeline.abort`
   and closing the client all send ``Cancel``, which aborts the request in every stage.
   Closing never stops the master or its workers.
@@ -40,8 +47,6 @@ from typing import Any, Self, cast
 
 import msgspec
 import structlog
-import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from pipeline._api import SinkOutput
 from pipeline._codec import PayloadCodec, codec_for
@@ -56,7 +61,6 @@ from pipeline._errors import (
 )
 from pipeline._logging import configure_logging
 from pipeline._messages import (
-    MAX_CONTROL_MESSAGE,
     WIRE_CODEC,
     Alive,
     Cancel,
@@ -72,11 +76,10 @@ from pipeline._messages import (
     Submit,
     Welcome,
     check_client_payload,
-    encode_message,
 )
+from pipeline._remote_link import MasterLink
 from pipeline._remote_stream import Call, RemoteResponseStream
-from pipeline._security import HANDSHAKE_FAILED, CurveKeys, resolve_keys, secure_client
-from pipeline._sockets import HandshakeJudge, SocketReader, for_endpoint
+from pipeline._security import resolve_keys
 from pipeline._type_paths import import_type
 
 __all__ = ("RemotePipeline", "RemoteResponseStream")
@@ -97,29 +100,6 @@ REMOTE_WINDOW = 64
 CANCEL_LINGER_MS = 500
 
 _decode = msgspec.msgpack.Decoder(ControlToClient).decode
-
-
-def _client_socket(ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys | None) -> zmq.Socket[Any]:
-    """A DEALER connected to a master's control ``endpoint``, presenting ``keys`` if any.
-
-    Raises:
-        ConfigError: ``endpoint`` is not a ZMQ endpoint.
-    """
-    sock: zmq.Socket[Any] = secure_client(ctx.socket(zmq.DEALER), keys)
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        # Requests and cancels queue while the master is unreachable and leave once it is
-        # back (or are dropped at close); they are never dropped for a full queue.
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-        for_endpoint(sock, endpoint).connect(endpoint)
-    except zmq.ZMQError as exc:
-        sock.close(linger=0)
-        raise ConfigError(
-            f"cannot connect to {endpoint!r}: {exc.strerror}; give the master's control "
-            "endpoint, such as tcp://10.0.0.5:7600"
-        ) from exc
-    return sock
 
 
 def _codec(path: str, missing: dict[str, str]) -> tuple[Any, PayloadCodec[Any]]:
@@ -144,8 +124,9 @@ class RemotePipeline:
 
     Attributes:
         endpoint: the master's control endpoint.
-        timeout: seconds to wait for the master's answer: on connecting, and whenever it
-            goes quiet while requests are in flight.
+        timeout: seconds to wait for the master's answer: on connecting, whenever it
+            goes quiet while requests are in flight, and, for a request made while the
+            connection is down, for a master to welcome the client again.
     """
 
     def __init__(
@@ -166,15 +147,15 @@ class RemotePipeline:
         self.endpoint = endpoint
         self.timeout = float(timeout)
         self._keys = resolve_keys(keys)
-        self._handshake = HandshakeJudge(endpoint, self._keys)
-        #: Why the master refused this client's handshake (its CURVE keys), once it has.
-        self._refused_handshake = ""
-        self._ctx: zmq.Context[Any] | None = None
-        self._sock: zmq.Socket[Any] | None = None
-        self._reader: SocketReader | None = None
-        #: Reports the connection to the master dropping (``EVENT_DISCONNECTED``).
-        self._monitor: zmq.Socket[Any] | None = None
-        self._monitor_reader: SocketReader | None = None
+        self._link = MasterLink(
+            endpoint,
+            self._keys,
+            self.timeout,
+            on_message=self._on_frames,
+            on_error=self._on_error,
+            on_dropped=self._on_dropped,
+            on_refused=self._on_refused,
+        )
         self._watchdog: asyncio.Task[None] | None = None
         self._welcome: Welcome | None = None
         #: When the master refused this client, and what it said, while connecting.
@@ -192,9 +173,7 @@ class RemotePipeline:
         self._stats_asked: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._heard = 0.0
         self._pinged = 0.0
-        #: Whether ZMQ holds a connection to the master now.
-        self._connected = False
-        #: The connection dropped and no Welcome has come since.
+        #: The connection dropped and no Welcome has come since: new requests wait for one.
         self._rejoining = False
         self._closed = False
         self.counts = dict.fromkeys(
@@ -207,7 +186,8 @@ class RemotePipeline:
 
     def __del__(self) -> None:
         # getattr: __init__ may have raised before setting them.
-        if getattr(self, "_sock", None) is not None and not getattr(self, "_closed", True):
+        link = getattr(self, "_link", None)
+        if link is not None and link.opened and not getattr(self, "_closed", True):
             warnings.warn(f"unclosed {self!r}: use 'async with'", ResourceWarning, stacklevel=1)
 
     # ---- what the master serves --------------------------------------------------------
@@ -251,21 +231,13 @@ class RemotePipeline:
                 handshake (its CURVE keys differ from this client's).
             PipelineError: the master refuses clients (a batch ``stagewire run``).
         """
-        if self._sock is not None or self._closed:
+        if self._link.opened or self._closed:
             raise RuntimeError("a RemotePipeline connects once")
         if not structlog.is_configured():
             configure_logging()
         loop = asyncio.get_running_loop()
-        self._ctx = zmq.Context()
         try:
-            self._sock = _client_socket(self._ctx, self.endpoint, self._keys)
-            self._reader = SocketReader(self._sock, self._on_frames, self._on_error)
-            self._reader.start()
-            self._monitor = self._sock.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
-            )
-            self._monitor_reader = SocketReader(self._monitor, self._on_monitor, self._on_error)
-            self._monitor_reader.start()
+            self._link.open()
             deadline = loop.time() + self.timeout
             while self._welcome is None:
                 left = deadline - loop.time()
@@ -276,8 +248,8 @@ class RemotePipeline:
                     raise PipelineError(
                         f"the master at {self.endpoint} refuses clients: {refusals[0][1]}"
                     )
-                if self._refused_handshake:
-                    raise MasterUnavailable(self.endpoint, self._refused_handshake)
+                if self._link.refused:
+                    raise MasterUnavailable(self.endpoint, self._link.refused)
                 if left <= 0:
                     raise MasterUnavailable(
                         self.endpoint,
@@ -308,16 +280,34 @@ class RemotePipeline:
         await self.aclose()
 
     def _adopt(self, welcome: Welcome) -> None:
-        """Take the master's description: on connecting, and again after it restarted."""
+        """Take the master's description: on connecting, again after it restarted, and as
+        the answer to a ping; then send the requests made while no master had welcomed
+        the client."""
         previous, self._welcome = self._welcome, welcome
         self._rejoining = False
-        if previous is not None:
-            if previous.instance == welcome.instance:
-                return  # the answer to a ping
-            # Its requests in flight failed when the connection dropped (_on_monitor); the
-            # new master may run other code, so the types are looked up again.
-            self.counts["restarts"] += 1
-            log.warning("remote_master_restarted", endpoint=self.endpoint)
+        if previous is None or previous.instance != welcome.instance:
+            if previous is not None:
+                self.counts["restarts"] += 1
+                log.warning("remote_master_restarted", endpoint=self.endpoint)
+                # Those in flight when the connection dropped have failed already (see
+                # _on_dropped). Any sent since went to the old master, or raced this
+                # Welcome: the new one never started them, or may have (then the Cancel
+                # that failing sends stops them there). Waiting on could hang.
+                self._fail_in_flight(
+                    "a new master answered at this endpoint (it restarted) while the request "
+                    "was in flight; submit it again"
+                )
+            self._learn_types(welcome)
+        for call in list(self._calls.values()):
+            if call.held is not None:
+                try:
+                    self._send_submit(call, call.held)
+                except MasterUnavailable as exc:
+                    self._end(call, exc)
+        self._answered.set()
+
+    def _learn_types(self, welcome: Welcome) -> None:
+        """Import the master's payload types: a new master may run other code."""
         missing: dict[str, str] = {}
         self._source_type, self._source_codec = _codec(welcome.source_type, missing)
         self._sink_codecs = {
@@ -334,56 +324,51 @@ class RemotePipeline:
                 hint="outputs decode as plain dicts and lists (tensors and arrays still "
                 "decode); install the stages' code on this host for typed values",
             )
-        self._answered.set()
 
     # ---- the socket ----------------------------------------------------------------------
 
     def _send(self, msg: FromClient) -> None:
-        sock = self._sock
-        if sock is None or self._closed:
+        """Send ``msg`` to the master; one that awaits an answer raises if it cannot leave,
+        any other is dropped then (the socket is renewed by the watchdog).
+
+        Raises:
+            MasterUnavailable: a Submit or StatsAsk could not be sent.
+            RuntimeError: the client is closed.
+        """
+        if self._closed:
             raise RuntimeError("the remote pipeline is closed")
-        # No high-water mark: never blocks, never drops.
-        sock.send(encode_message(msg), zmq.NOBLOCK, copy=False)
-        if self._reader is not None:
-            self._reader.kick()  # the socket's descriptor is edge-triggered
+        if self._link.send(msg) or not isinstance(msg, Submit | StatsAsk):
+            return
+        raise MasterUnavailable(self.endpoint, f"{self._link.why_down()}; submit again then")
 
     def _on_error(self, exc: BaseException, frames: list[bytes]) -> None:
         self.counts["garbage"] += 1
         log.warning("remote_message_failed", endpoint=self.endpoint, error=repr(exc))
 
-    def _on_monitor(self, frames: list[bytes]) -> None:
-        """The connection to the master dropped, or is back.
+    def _on_refused(self, reason: str) -> None:
+        """The master refused this client's handshake (its CURVE keys, or none)."""
+        log.error("refused_by_master", endpoint=self.endpoint, reason=reason)
+        self._answered.set()  # a connecting start() says so at once
 
-        Dropped: every request in flight on it fails at once. Its answers may have been lost
-        with the connection (a restarted master never knew of it), so waiting on could hang.
-        What is sent from now on queues until ZMQ has connected again. Back: the client
-        says Hello until it is welcomed, to learn whether this is a new master (whose types
-        may differ).
+    def _on_dropped(self) -> None:
+        """The connection to the master dropped: every request in flight on it fails at once.
+
+        Its answers may have been lost with the connection (a restarted master never knew
+        of it), so waiting on could hang. Requests made from now on wait until a master
+        welcomes the client again (the one back may be a new one, still starting); the
+        watchdog says Hello once ZMQ has connected again.
         """
-        event = parse_monitor_message(frames)["event"]
-        refused = self._handshake.refusal(event)
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self._connected = True
-            return
-        if refused is not None and not self._refused_handshake:
-            self._refused_handshake = refused
-            log.error("refused_by_master", endpoint=self.endpoint, reason=refused)
-            self._answered.set()  # a connecting start() says so at once
-            return
-        if event != zmq.EVENT_DISCONNECTED:
-            return
-        self._connected = False
         self._rejoining = True
+        self._fail_in_flight(
+            "the connection dropped while the request was in flight (the master stopped, "
+            "restarted or became unreachable); submit it again once it serves"
+        )
+
+    def _fail_in_flight(self, why: str) -> None:
+        """Fail every request sent to the master (not those waiting to be sent) with ``why``."""
         for call in list(self._calls.values()):
-            self._end(
-                call,
-                MasterUnavailable(
-                    self.endpoint,
-                    "the connection dropped while the request was in flight (the master "
-                    "stopped, restarted or became unreachable); submit it again once it serves",
-                    request_id=call.request_id,
-                ),
-            )
+            if call.held is None:
+                self._end(call, MasterUnavailable(self.endpoint, why, request_id=call.request_id))
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 1:
@@ -428,6 +413,7 @@ class RemotePipeline:
 
         Raises:
             PayloadError: it does not match the source's type, or is too large.
+            MasterUnavailable: it could not be sent (the connection is gone).
             RuntimeError: the client is not connected.
         """
         welcome = self._welcomed()
@@ -443,18 +429,35 @@ class RemotePipeline:
                 f"got {type(value).__name__}"
             )
         encoded = to_host(self._source_codec.encode(value))
-        check_client_payload(encoded.nbytes, "the input, encoded,")
+        check_client_payload(encoded, "the input, encoded,")
         token = next(self._tokens)
-        now = asyncio.get_running_loop().time()
-        timeout = welcome.request_timeout
-        call = Call(token, now, now + timeout + self.timeout if timeout > 0 else None)
+        call = Call(token, asyncio.get_running_loop().time(), None)
         call.granted = REMOTE_WINDOW
         # msgspec writes any buffer (a memoryview of a tensor's memory) as bytes.
         buffers = cast("list[bytearray]", list(encoded.buffers))
-        self._send(Submit(token, encoded.header, WIRE_CODEC, buffers, window=REMOTE_WINDOW))
+        submit = Submit(token, encoded.header, WIRE_CODEC, buffers, window=REMOTE_WINDOW)
+        if self._rejoining:
+            # Sent now, it would reach whatever listens once ZMQ reconnects: a new master
+            # still starting, which cannot serve it. It waits for a Welcome instead.
+            call.held = submit
+        else:
+            self._send_submit(call, submit)
         self._calls[token] = call
         self.counts["submitted"] += 1
         return call
+
+    def _send_submit(self, call: Call, submit: Submit) -> None:
+        """Send a request's Submit; its deadline counts from now, as the master's does.
+
+        Raises:
+            MasterUnavailable: it could not be sent.
+        """
+        self._send(submit)
+        now = asyncio.get_running_loop().time()
+        call.held = None
+        call.sent_at = now
+        timeout = self._welcome.request_timeout if self._welcome else 0.0
+        call.deadline = now + timeout + self.timeout if timeout > 0 else None
 
     def _read_one(self, call: Call) -> None:
         """The reader took one output of ``call``: grant more once half a window is read."""
@@ -487,8 +490,8 @@ class RemotePipeline:
         self._forget(call)
         self.counts[outcome] += 1
         call.queue.put_nowait(exc)
-        if not self._closed:
-            self._send(Cancel(call.token))
+        if not self._closed and call.held is None:
+            self._send(Cancel(call.token))  # never raises: a Cancel that cannot leave is dropped
 
     def _give_up(self, call: Call, reason: str) -> None:
         """The client left the request's stream before it ended: abort it everywhere."""
@@ -506,7 +509,8 @@ class RemotePipeline:
             StageError: a stage raised for this request.
             StageUnavailable: a replica bound to this request died, or a stage had no
                 ready replica for ``replica_wait``.
-            MasterUnavailable: the master stopped answering, or restarted.
+            MasterUnavailable: the master stopped answering, stopped, restarted or is not
+                serving yet (starting), or the request could not be sent.
             ChunkGap: a chunk went missing past ``chunk_timeout``.
             PayloadError: the input or a payload did not match its declared type, or the
                 input is too large for one message.
@@ -544,13 +548,15 @@ class RemotePipeline:
         return True
 
     async def statistics(self) -> dict[str, Any]:
-        """Counters of this client (requests by outcome, those in flight, garbage received),
+        """Counters of this client (requests by outcome, those in flight, garbage received,
+        master restarts seen, connections renewed after ZMQ gave one up),
         the master's payload types that decode untyped here, and under ``master`` what
         :meth:`Pipeline.statistics` gives at the master: its client side and every
         replica's counters.
 
         Raises:
-            MasterUnavailable: the master did not answer within ``timeout``.
+            MasterUnavailable: the master did not answer within ``timeout``, or the question
+                could not be sent.
             RuntimeError: the client is not connected.
         """
         welcome = self._welcomed()
@@ -570,7 +576,7 @@ class RemotePipeline:
         return {
             "endpoint": self.endpoint,
             "pipeline": welcome.pipeline,
-            "client": {**self.counts, "active": len(self._calls)},
+            "client": {**self.counts, "active": len(self._calls), "renewed": self._link.reopened},
             "untyped": list(self._untyped),
             "master": master,
         }
@@ -591,7 +597,9 @@ class RemotePipeline:
 
     def _watch_once(self, now: float, ping_after: float) -> None:
         """One look at the connection and at the requests waiting on it."""
-        if self._rejoining and self._connected:
+        if self._link.needs_reopen(now) and self._link.reopen():
+            self._on_dropped()  # nothing sent on the old socket will be answered
+        if self._rejoining and self._link.connected:
             self._send(Hello())  # unanswered while a new master waits for its workers
         if not self._calls:
             return
@@ -599,6 +607,10 @@ class RemotePipeline:
             self._pinged = now
             self._send(Hello())
         for call in list(self._calls.values()):
+            if call.held is not None:
+                if now - call.sent_at > self.timeout:
+                    self._end(call, MasterUnavailable(self.endpoint, self._unwelcomed(now, call)))
+                continue
             quiet = now - max(self._heard, call.sent_at)
             if quiet > self.timeout:
                 self._end(
@@ -613,6 +625,18 @@ class RemotePipeline:
             elif call.deadline is not None and now > call.deadline:
                 limit = self._welcome.request_timeout if self._welcome else 0.0
                 self._end(call, RequestTimeout(call.request_id or f"#{call.token}", limit))
+
+    def _unwelcomed(self, now: float, call: Call) -> str:
+        """Why a request made after the connection dropped was never sent."""
+        why = (
+            self._link.refused
+            if self._link.refused
+            else "check that `stagewire master` runs there and its workers are all ready"
+        )
+        return (
+            f"the request was made while the connection was down, and no master has "
+            f"welcomed this client again for {now - call.sent_at:.3g}s: {why}"
+        )
 
     # ---- closing -------------------------------------------------------------------------
 
@@ -637,19 +661,10 @@ class RemotePipeline:
         # cancelled midway still leaves no socket open.
         if self._watchdog is not None:
             self._watchdog.cancel()
-        for reader in (self._reader, self._monitor_reader):
-            if reader is not None:
-                reader.stop()
-        if self._sock is not None:
-            if self._monitor is not None:
-                self._sock.disable_monitor()
-                self._monitor.close(linger=0)
-            # Cancels sent just before (a stream left, then the client closed) must leave
-            # too: the linger holds only what has not left yet, and only that long.
-            self._sock.close(linger=CANCEL_LINGER_MS)
-        ctx, self._ctx = self._ctx, None
+        # Cancels sent just before (a stream left, then the client closed) must leave too:
+        # the linger holds only what has not left yet, and only that long.
+        self._link.close(linger=CANCEL_LINGER_MS)
         if self._watchdog is not None:
             await asyncio.gather(self._watchdog, return_exceptions=True)
-        if ctx is not None:
-            # Terminating waits (at most the linger) for the cancels to leave: not here.
-            await asyncio.to_thread(ctx.term)
+        # Terminating waits (at most the linger) for the cancels to leave: not in the loop.
+        await self._link.aclose()

@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
 from pipeline._errors import (
+    MASTER_STAGE,
     ConfigError,
+    MasterUnavailable,
     PayloadError,
     PipelineError,
     RequestAborted,
     TransportError,
     failure_to_error,
 )
-from pipeline._messages import Finished, Output, Started
+from pipeline._messages import Finished, Output, Started, Submit
 
 if TYPE_CHECKING:
     from pipeline._remote import RemotePipeline
@@ -29,10 +31,16 @@ if TYPE_CHECKING:
 __all__ = ("Call", "RemoteResponseStream", "error_of")
 
 
-def error_of(fin: Finished) -> PipelineError:
-    """The exception a failed request's ``Finished`` describes, as the embedded API raises it."""
-    if fin.failure is not None:
-        return failure_to_error(fin.failure)
+def error_of(fin: Finished, endpoint: str) -> PipelineError:
+    """The exception a failed request's ``Finished`` describes, as the embedded API raises it;
+    a failure of the master itself (at ``endpoint``) is a :class:`MasterUnavailable`."""
+    failure = fin.failure
+    if failure is not None:
+        if failure.kind == "unavailable" and failure.stage == MASTER_STAGE:
+            return MasterUnavailable(
+                endpoint, failure.message, request_id=failure.request_id or None
+            )
+        return failure_to_error(failure)
     simple: dict[str, type[PipelineError]] = {
         "PipelineError": PipelineError,
         "ConfigError": ConfigError,
@@ -53,6 +61,7 @@ class Call:
 
     token: int
     #: Loop time the request was sent: it may wait ``timeout`` from then for a first word.
+    #: While it is held, the time it was made: it may wait ``timeout`` for a master.
     sent_at: float
     #: Loop time past which the client gives up on it (the pipeline's request_timeout).
     deadline: float | None
@@ -60,6 +69,8 @@ class Call:
         default_factory=asyncio.Queue
     )
     request_id: str | None = None
+    #: Its Submit, while it waits unsent for a master to welcome the client again.
+    held: Submit | None = None
     #: Outputs read by the client so far, and how many the master may send in all.
     read: int = 0
     granted: int = 0
@@ -110,7 +121,8 @@ class RemoteResponseStream:
             PayloadError: the input does not match the source stage's type, or is too large
                 for one message to the master.
             StageUnavailable: a stage had no ready replica for ``replica_wait``.
-            MasterUnavailable: the master did not answer within ``timeout``.
+            MasterUnavailable: the master did not answer within ``timeout``, stopped, or is
+                not serving yet (starting); or the request could not be sent.
             RequestAborted: the request was aborted, or the client closed.
             RequestTimeout: the request passed its deadline before it was admitted.
             PipelineError: the master answered out of turn (a request it had not admitted).
@@ -146,7 +158,8 @@ class RemoteResponseStream:
             StopAsyncIteration: every sink sent its final chunk.
             StageError: a stage raised for this request.
             StageUnavailable: a replica bound to this request died.
-            MasterUnavailable: the master stopped answering, or restarted.
+            MasterUnavailable: the master stopped answering, stopped, restarted or is not
+                serving yet; or the request could not be sent.
             ChunkGap: a chunk went missing past ``chunk_timeout``.
             PayloadError: a payload did not match its declared type.
             RequestTimeout: the request passed its deadline.
@@ -170,7 +183,7 @@ class RemoteResponseStream:
                     raise item
                 if not item.kind:
                     raise StopAsyncIteration
-                raise error_of(item)
+                raise error_of(item, self._pipe.endpoint)
         except StopAsyncIteration:
             raise
         except BaseException:

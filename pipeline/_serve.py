@@ -29,7 +29,13 @@ import structlog
 from pipeline._api import Pipeline, SinkOutput
 from pipeline._codec import PayloadCodec, codec_for
 from pipeline._encoded import Encoded, to_host
-from pipeline._errors import FailureInfo, PayloadError, PipelineError, describe_failure
+from pipeline._errors import (
+    MASTER_STAGE,
+    FailureInfo,
+    PayloadError,
+    PipelineError,
+    describe_failure,
+)
 from pipeline._keys import CLIENT
 from pipeline._messages import (
     WIRE_CODEC,
@@ -199,7 +205,7 @@ class ClientServer:
             PayloadError: it cannot be encoded, or it is too large for one control message.
         """
         encoded = to_host(self._codecs[sink].encode(value))
-        check_client_payload(encoded.nbytes, f"an output of stage {sink!r}")
+        check_client_payload(encoded, f"an output of stage {sink!r}")
         # msgspec writes any buffer (a memoryview of a tensor's memory, here) as bytes,
         # which is what the field's bytearray decodes from.
         return Output(token, sink, encoded.header, cast("list[bytearray]", list(encoded.buffers)))
@@ -249,11 +255,17 @@ class ClientServer:
                 self._by_client.discard((identity, msg.token))
                 self.cancelled += 1
                 why = "cancelled by the client"
-            else:
-                self.failed += 1
-                why = "the master stopped"
-            failure = FailureInfo("aborted", why, request_id or "(not started)")
-            send(identity, Finished(msg.token, "RequestAborted", why, failure))
+                failure = FailureInfo("aborted", why, request_id or "(not started)")
+                send(identity, Finished(msg.token, "RequestAborted", why, failure))
+                raise
+            # The master stops (or its request task was cancelled with it): the client gets
+            # what a master killed gives, MasterUnavailable, which it rebuilds from the stage.
+            self.failed += 1
+            why = (
+                "the master stopped while the request was in flight; submit it again once it serves"
+            )
+            failure = FailureInfo("unavailable", why, request_id, MASTER_STAGE)
+            send(identity, Finished(msg.token, "MasterUnavailable", why, failure))
             raise
         except PipelineError as exc:
             self.failed += 1

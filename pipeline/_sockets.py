@@ -33,6 +33,7 @@ __all__ = (
     "SocketReader",
     "bind_ephemeral",
     "new_context",
+    "set_heartbeats",
 )
 
 log = structlog.get_logger("stagewire.sockets")
@@ -80,6 +81,22 @@ def bind_ephemeral(sock: zmq.Socket[Any], address: str) -> str:
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     assert isinstance(endpoint, bytes)
     return endpoint.decode()
+
+
+#: ZMQ's bounds on heartbeat options, in ms: ``HEARTBEAT_TTL`` travels in deciseconds in 16
+#: bits (and its receiver scales it to ms in 16 bits too), the others are C ints.
+_MAX_TTL_MS = 60_000
+_MAX_MS = 2**31 - 1
+
+
+def set_heartbeats(sock: zmq.Socket[Any], interval: float, timeout: float, ttl: float) -> None:
+    """Turn on ZMTP heartbeats on ``sock`` (before it binds or connects): a PING every
+    ``interval`` seconds, a connection dropped when nothing comes ``timeout`` after one
+    (a peer cut off without a TCP close: a partition, a frozen host), and its peers asked
+    to drop it when they hear nothing for ``ttl`` (at most a minute)."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, min(_MAX_MS, max(100, round(interval * 1000))))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, min(_MAX_MS, max(200, round(timeout * 1000))))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(_MAX_TTL_MS, max(100, round(ttl * 1000))))
 
 
 class SocketReader:
