@@ -116,7 +116,18 @@ def _one_by_one(recv: TransportReceiver) -> Callable[[msgspec.Raw], Sequence[Des
             elements = _raw_list_decoder.decode(raw)
         except DECODE_ERRORS as exc:
             raise TransportError(f"malformed descriptor array: {exc}") from exc
-        return [None if e == NO_DESCRIPTOR else recv.decode_descriptor(e) for e in elements]
+        decoded: list[Descriptor | None] = []
+        try:
+            for e in elements:
+                decoded.append(None if e == NO_DESCRIPTOR else recv.decode_descriptor(e))
+        except Exception:
+            # The run is dropped whole: what its valid descriptors name (a prefetch under
+            # way, a payload held for us) is released, not held for ever.
+            for d in decoded:
+                if d is not None:
+                    _release_later(recv, d)
+            raise
+        return decoded
 
     return decode
 
@@ -855,9 +866,7 @@ class InputChannel:
             return
         recv = self._receivers.get(name)
         if recv is not None:
-            task = asyncio.get_running_loop().create_task(recv.release(descriptor))
-            _background.add(task)
-            task.add_done_callback(_background.discard)
+            _release_later(recv, descriptor)
 
     def statistics(self) -> dict[str, Any]:
         """Counters for this edge's consumer side."""
@@ -875,3 +884,10 @@ class InputChannel:
 
 
 _background: set[asyncio.Task[None]] = set()
+
+
+def _release_later(recv: TransportReceiver, descriptor: Descriptor) -> None:
+    """Release ``descriptor`` in a task of its own (the caller cannot wait for it)."""
+    task = asyncio.get_running_loop().create_task(recv.release(descriptor))
+    _background.add(task)
+    task.add_done_callback(_background.discard)

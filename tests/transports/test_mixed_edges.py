@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from pipeline._channel import InputChannel, OutputChannel, SendTarget, file_run
 from pipeline._channel import _background as release_tasks
-from pipeline._errors import RequestAborted
+from pipeline._errors import RequestAborted, TransportError
 from pipeline._messages import Chunks, Credit, decode_batch, encode_batch
 from pipeline._signature import EdgePlan, build_plan
 from pipeline._stage import Stream
@@ -631,3 +631,31 @@ def test_the_mix_is_real_and_nothing_is_left_in_dev_shm(host: str) -> None:
         assert bool(_our_segments()) == (host == "h1")
 
     _run(host, scenario, plan.sizes)
+
+
+async def _held(producer: Producer, expected: dict[str, int]) -> bool:
+    return await producer.held() == expected
+
+
+def test_a_run_dropped_for_a_bad_descriptor_releases_the_good_ones() -> None:
+    """A run whose descriptors parse only in part (corrupted, or forged) is dropped whole;
+    what its valid descriptors name (here a network payload, which parsing starts fetching)
+    is released at the consumer, not held for ever."""
+    sizes = [20_000, 20_000]
+
+    async def scenario(producer: Producer, consumer: Consumer) -> None:
+        frames = await producer.produce(sizes, 0, 2, False, [False, False])
+        (frame,) = [f for f in frames if f.count == 2]
+        assert frame.transport == "network"
+        (run,) = decode_batch(frame.data)
+        assert isinstance(run, Chunks)
+        good, _ = msgspec.msgpack.decode(run.descriptors, type=list[msgspec.Raw])
+        forged = msgspec.msgpack.encode([good, b"not a descriptor"])
+        with pytest.raises(TransportError, match="bad network descriptor"):
+            consumer.inp.admit(msgspec.structs.replace(run, descriptors=msgspec.Raw(forged)))
+        await wait_for(lambda: not consumer.held(), SETTLE_TIMEOUT)
+        # The producer was told to drop the first; it keeps the second, whose descriptor
+        # was spoilt on the way, until its own timer gives up on a reader.
+        await wait_for(lambda: _held(producer, {"network": 1}), SETTLE_TIMEOUT)
+
+    _run("h2", scenario, sizes)
