@@ -123,8 +123,9 @@ async def test_an_untimed_first_wait_is_timed_once_a_later_seq_shows_a_gap() -> 
     buf = ReorderBuffer[Item]("r1", "a->b", chunk_timeout=0.05, time_first=False)
     loop = asyncio.get_running_loop()
     getter = asyncio.create_task(buf.get())
-    await asyncio.sleep(0.25)  # five timeouts: a timed wait would have failed by now
-    assert not getter.done() and buf.waiting
+    # Five timeouts: a timed wait would have ended (with ChunkGap) by now.
+    done, _ = await asyncio.wait({getter}, timeout=0.25)
+    assert not done and buf.waiting
     arrived = loop.time()
     assert buf.offer(1, (1, 0), True)
     async with asyncio.timeout(2):
@@ -140,7 +141,8 @@ async def test_an_untimed_first_wait_ends_with_its_first_chunk_or_the_request() 
     """Untimed, the first wait ends when seq 0 comes, or when the request ends (abort)."""
     first = ReorderBuffer[Item]("r1", "a->b", chunk_timeout=0.02, time_first=False)
     getter = asyncio.create_task(first.get())
-    await asyncio.sleep(0.1)
+    done, _ = await asyncio.wait({getter}, timeout=0.1)  # past the timeout: still waiting
+    assert not done
     assert first.offer(0, (0, 0), False)
     async with asyncio.timeout(1):
         assert await getter == ((0, 0), False)
@@ -149,7 +151,8 @@ async def test_an_untimed_first_wait_ends_with_its_first_chunk_or_the_request() 
         await first.get()
     aborted = ReorderBuffer[Item]("r2", "a->b", chunk_timeout=0.02, time_first=False)
     getter = asyncio.create_task(aborted.get())
-    await asyncio.sleep(0.1)
+    done, _ = await asyncio.wait({getter}, timeout=0.1)
+    assert not done
     aborted.abort(RequestAborted("r2", "deadline"))
     async with asyncio.timeout(1):
         with pytest.raises(RequestAborted):

@@ -59,10 +59,12 @@ class Verify(Stage):
         delay: float = 0.0
         #: Seconds the first piece is computed on, holding the event loop as a model does.
         block: float = 0.0
+        #: A file created as that compute starts (empty: none), for a test to wait on.
+        mark: str = ""
 
     async def process(self, pieces: Stream[Piece], ctx: Context) -> Text:
         assert isinstance(self.params, Verify.Params)
-        return await _verify(pieces, self.params.delay, self.params.block)
+        return await _verify(pieces, self.params.delay, self.params.block, self.params.mark)
 
 
 class Keep(Stage):
@@ -116,11 +118,22 @@ class MeasurePieces(Stage):
         return [Text(str(p.data.size)) for p in pieces]
 
 
+def _compute(seconds: float, mark: str) -> None:
+    """Hold the loop for ``seconds``, as a model's compute does, creating ``mark`` (a file
+    path; empty: none) as it starts."""
+    if mark:
+        with open(mark, "x"):
+            pass
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
 async def _verify(
-    pieces: Stream[Piece] | Stream[TensorPiece], delay: float, block: float = 0.0
+    pieces: Stream[Piece] | Stream[TensorPiece], delay: float, block: float = 0.0, mark: str = ""
 ) -> Text:
     """Check each piece's position and bytes, sleeping ``delay`` after each (holding it),
-    and blocking the loop ``block`` seconds after the first."""
+    and blocking the loop ``block`` seconds after the first (creating ``mark`` then)."""
     seen = 0
     total = 0
     async for piece in pieces:
@@ -137,9 +150,7 @@ async def _verify(
             await asyncio.sleep(delay)
         if block and seen == 1:
             # Compute that holds the loop, as a model does: nothing else here runs.
-            deadline = time.perf_counter() + block
-            while time.perf_counter() < deadline:
-                pass
+            _compute(block, mark)
     return Text(f"{seen}:{total}")
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -262,7 +263,9 @@ async def test_auto_between_hosts_goes_by_network() -> None:
     assert used["network"] == 20 * CHUNKS // 2
 
 
-async def test_a_consumer_finding_its_producer_gone_has_the_master_declare_it_at_once() -> None:
+async def test_a_consumer_finding_its_producer_gone_has_the_master_declare_it_at_once(
+    tmp_path: Path,
+) -> None:
     """A producer killed -9 while its consumer still has a payload of it to fetch: the fetch
     finds it gone and fails the request with StageUnavailable naming the producer's stage,
     and the master, told so, finds the process exited and declares the replica dead at once,
@@ -275,7 +278,8 @@ async def test_a_consumer_finding_its_producer_gone_has_the_master_declare_it_at
         "kind": "network",
         "options": {"window": "1MiB", "segment_size": "1MiB"},
     }
-    data["stages"]["sink"]["params"] = {"block": 1.5}
+    mark = tmp_path / "computing"
+    data["stages"]["sink"]["params"] = {"block": 1.5, "mark": str(mark)}
     spec = PipelineSpec.from_dict(data)
     pipe = Pipeline(spec)
     starting = asyncio.ensure_future(pipe.start(launch=False))
@@ -289,10 +293,9 @@ async def test_a_consumer_finding_its_producer_gone_has_the_master_declare_it_at
         master = pipe._master
         assert master is not None
         request = asyncio.ensure_future(pipe.submit(Text("2")))
-        # The kill must land inside the sink's 1.5 s of compute on piece 0, when its loop
-        # can answer nothing (not even statistics) and piece 1 waits at the producer: a
-        # moment in a known window, not a condition any process could report.
-        await asyncio.sleep(0.5)
+        # The kill lands inside the sink's 1.5 s of compute on piece 0, which it marks as
+        # it starts: its loop can answer nothing then, and piece 1 waits at the producer.
+        await wait_for(mark.exists, 30, interval=0.01)
         t0 = time.monotonic()
         procs[0].kill()
         with pytest.raises(StageUnavailable, match="'source' unavailable"):
