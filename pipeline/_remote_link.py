@@ -53,32 +53,36 @@ _EVENTS = (
 
 
 def _client_socket(
-    ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys | None, timeout: float
+    ctx: zmq.Context[Any], keys: CurveKeys | None, timeout: float
 ) -> zmq.Socket[Any]:
-    """A DEALER connected to a master's control ``endpoint``, presenting ``keys`` if any.
+    """A DEALER for a master's control endpoint, presenting ``keys`` if any; not yet
+    connected (see :func:`_connect`)."""
+    sock: zmq.Socket[Any] = secure_client(ctx.socket(zmq.DEALER), keys)
+    sock.setsockopt(zmq.LINGER, 0)
+    # Requests and cancels queue while the master is unreachable and leave once it is
+    # back (or are dropped at close); they are never dropped for a full queue.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+    # A ping every quarter of ``timeout`` (at most 2 s); the connection goes when the
+    # master stays silent twice that (the client fails its requests after ``timeout``
+    # of silence itself: a master that thaws in between keeps the connection).
+    set_heartbeats(sock, min(2.0, timeout / 4), 2 * timeout, timeout)
+    return sock
+
+
+def _connect(sock: zmq.Socket[Any], endpoint: str) -> None:
+    """Connect ``sock`` to ``endpoint``.
 
     Raises:
         ConfigError: ``endpoint`` is not a ZMQ endpoint.
     """
-    sock: zmq.Socket[Any] = secure_client(ctx.socket(zmq.DEALER), keys)
     try:
-        sock.setsockopt(zmq.LINGER, 0)
-        # Requests and cancels queue while the master is unreachable and leave once it is
-        # back (or are dropped at close); they are never dropped for a full queue.
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-        # A ping every quarter of ``timeout`` (at most 2 s); the connection goes when the
-        # master stays silent twice that (the client fails its requests after ``timeout``
-        # of silence itself: a master that thaws in between keeps the connection).
-        set_heartbeats(sock, min(2.0, timeout / 4), 2 * timeout, timeout)
         for_endpoint(sock, endpoint).connect(endpoint)
     except zmq.ZMQError as exc:
-        sock.close(linger=0)
         raise ConfigError(
             f"cannot connect to {endpoint!r}: {exc.strerror}; give the master's control "
             "endpoint, such as tcp://10.0.0.5:7600"
         ) from exc
-    return sock
 
 
 class MasterLink:
@@ -145,14 +149,17 @@ class MasterLink:
         """
         if self._ctx is None:
             self._ctx = zmq.Context()
-        sock = _client_socket(self._ctx, self.endpoint, self._keys, self._timeout)
+        sock = _client_socket(self._ctx, self._keys, self._timeout)
         self._sock = sock
         self._reader = SocketReader(sock, self._on_message, self._on_error)
         self._reader.start()
+        # Watched before it connects: on loopback the handshake can finish at once, and an
+        # event before the monitor exists is lost (the client would never greet the master).
         address = f"inproc://stagewire-remote-{id(self):x}-{next(_monitors)}"
         self._monitor = sock.get_monitor_socket(_EVENTS, address)
         self._monitor_reader = SocketReader(self._monitor, self._on_event, self._on_error)
         self._monitor_reader.start()
+        _connect(sock, self.endpoint)
 
     def send(self, msg: FromClient) -> bool:
         """Queue ``msg`` for the master (never blocks: no high-water mark); False if the

@@ -239,18 +239,24 @@ async def test_a_client_refused_by_a_rekeyed_master_recovers_once_it_is_fixed() 
             await master.aclose()
             await wait_for(lambda: remote._rejoining, timeout=10)  # it saw the drop
             master = await FakeMaster(port, "keyed", curve=True).start()
+            # ZMQ reports the refusal as a protocol error or without detail, depending on
+            # when it notices: either way the error says the master refused the connection.
             async with asyncio.timeout(10):
-                with pytest.raises(MasterUnavailable, match="one side uses CURVE"):
+                with pytest.raises(MasterUnavailable, match="refused the connection") as info:
                     await remote.submit(Text("refused"))
-                with pytest.raises(MasterUnavailable, match="one side uses CURVE"):
+                with pytest.raises(MasterUnavailable, match="refused the connection"):
                     await remote.submit(Text("refused again"))
             await master.aclose()
             master = await FakeMaster(port, "fixed").start()
             await wait_for(lambda: not remote._rejoining, timeout=10)
             async with asyncio.timeout(10):
                 assert await remote.submit(Text("after")) == Text("after")
-            # (The fake answers no statistics: the client's own counters.)
-            assert remote._link.reopened >= 1 and remote.counts["restarts"] == 1
+            # (The fake answers no statistics: the client's own counters.) After a protocol
+            # error ZMQ never reconnects, so the client must have opened a fresh socket;
+            # after a refusal without detail ZMQ reconnects by itself.
+            if "one side uses CURVE" in str(info.value):
+                assert remote._link.reopened >= 1
+            assert remote.counts["restarts"] == 1
     finally:
         await master.aclose()
 
