@@ -108,10 +108,11 @@ async def build(
     peers = {name: {0: Peer(f"inproc://{name}", HOST)} for name in actors}
     for name, actor in actors.items():
         actor.set_peers(peers, Peer(CLIENT_ENDPOINT, HOST))
-        routes[f"inproc://{name}"] = actor.on_data
+        # As a worker reads them: each message's handling ends with the outbox's flush.
+        routes[f"inproc://{name}"] = outbox.flushing_after(actor.on_data)
         view = orch.replicas[name][0] = ReplicaView(name, 0, f"inproc://{name}", HOST)
         view.ready = True
-    routes[CLIENT_ENDPOINT] = orch.on_data
+    routes[CLIENT_ENDPOINT] = outbox.flushing_after(orch.on_data)
     return orch, list(actors.values())
 
 

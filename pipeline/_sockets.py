@@ -21,6 +21,7 @@ import structlog
 import zmq
 
 from pipeline._local_link import LocalLink
+from pipeline._loop import nothing_else_ready
 from pipeline._messages import encode_batch
 from pipeline._security import HANDSHAKE_FAILED, CurveKeys, handshake_failure, secure_client
 
@@ -368,7 +369,15 @@ class Outbox:
 
         def handle(frames: list[bytes]) -> None:
             on_message(frames)
-            self.flush_soon()
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            if nothing_else_ready(loop, but=self._handle):
+                # The handlers the message started ran to their ends or waits already, and
+                # nothing they woke runs this turn: what they sent leaves now, not a turn later.
+                self.flush()
+            else:
+                self.flush_soon()
 
         return handle
 

@@ -3,11 +3,12 @@ real processes cannot reach them on demand."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pipeline._actor import StageActor
 from pipeline._channel import OutputChannel, SendTarget
-from pipeline._messages import FailureInfo, encode_batch
+from pipeline._messages import FailureInfo, Peer, encode_batch
 from pipeline._signature import build_plan
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
@@ -53,6 +54,54 @@ async def test_a_failure_the_master_cannot_be_told_of_still_ends_the_request_her
         await wait_for(lambda: not actor.inflight, 5)
         assert len(reported) == 1 and "boom" in str(reported[0])
         assert actor.counts["failed"] == 1
+    finally:
+        await client.aclose()
+        await actor.aclose()
+
+
+async def test_a_message_that_readies_a_handler_runs_it_before_the_reader_returns() -> None:
+    """A one-chunk request's handler completes inside the callback that filed its chunk:
+    its output is queued before that callback returns, with no loop turn between."""
+    plan = build_plan(spec({"echo": ":Echo"}, []))
+    stage = plan.stages["echo"]
+    sent: list[Any] = []
+    reported: list[FailureInfo] = []
+    instance = stage.signature.cls(
+        params=stage.params, name="echo", replica=0, device=stage.spec.device
+    )
+    actor = StageActor(
+        stage,
+        instance,
+        replica=0,
+        host="h",
+        endpoint="inproc://echo",
+        send=lambda _endpoint, msg: sent.append(msg),
+        report_failure=reported.append,
+    )
+    client = OutputChannel(
+        stage.inputs["text"],
+        host="h",
+        endpoint="inproc://client",
+        send=lambda _, run: sent.append(run),
+    )
+    actor.set_peers({"echo": {0: Peer("inproc://echo", "h")}}, Peer("inproc://client", "h"))
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[tuple[int, int]] = loop.create_future()
+    try:
+        actor.admit("r1", {"echo": 0})
+        encoded = client.codec.encode(Text("hi"))
+        assert client.try_send("r1", encoded, True, SendTarget("inproc://echo", "h"))
+        (run,) = sent
+
+        def read() -> None:  # as a socket reader calls it: a loop callback, not a task
+            actor.on_data([encode_batch([run.seal()])])
+            done.set_result((len(sent), actor.inflight))
+
+        loop.call_soon(read)
+        queued, inflight = await asyncio.wait_for(done, 5)
+        assert actor.counts["failed"] == 0, reported
+        assert (queued, inflight) == (2, 0)  # the echo's output is out, the request ended
+        assert actor.counts["completed"] == 1
     finally:
         await client.aclose()
         await actor.aclose()

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from pipeline import Context
-from pipeline._loop import loop_has_work
+from pipeline._loop import loop_has_work, nothing_else_ready, step_now
 
 
 def test_loop_has_work_sees_ready_callbacks_and_knows_no_other_loop() -> None:
@@ -92,3 +92,63 @@ async def test_checkpoint_raises_once_the_request_is_cancelled() -> None:
     ctx.cancel()
     with pytest.raises(asyncio.CancelledError):
         await ctx.checkpoint()
+
+
+def test_step_now_runs_a_new_task_to_its_first_wait_as_that_task() -> None:
+    """The first step runs at once, as the task (current_task, its context); what follows
+    its first wait runs as the loop schedules it; a caller that is a task steps nothing."""
+
+    async def probe() -> list[object]:
+        loop = asyncio.get_running_loop()
+        seen: list[object] = []
+        gate = loop.create_future()
+
+        async def body() -> None:
+            seen.append(asyncio.current_task())
+            await gate
+            seen.append("resumed")
+
+        def from_a_callback() -> None:
+            task = loop.create_task(body())
+            step_now(loop, task)
+            seen.append(task)  # after the step: the body's first part ran already
+
+        loop.call_soon(from_a_callback)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert seen[0] is seen[1]  # the body ran as its own task, before step_now returned
+        gate.set_result(None)
+        await asyncio.sleep(0)
+        assert seen[2] == "resumed"
+        # Called from a running task, it leaves the step to the loop: one task cannot run
+        # another's step inside its own.
+        later: list[str] = []
+
+        async def other() -> None:
+            later.append("ran")
+
+        inner = loop.create_task(other())
+        step_now(loop, inner)
+        assert later == []
+        await inner
+        assert later == ["ran"]
+        return seen
+
+    asyncio.run(probe())
+
+
+def test_nothing_else_ready_ignores_cancelled_handles_and_the_one_named() -> None:
+    async def probe() -> tuple[bool, bool, bool, bool]:
+        loop = asyncio.get_running_loop()
+        quiet = nothing_else_ready(loop)
+        own = loop.call_soon(lambda: None)
+        mine_only = nothing_else_ready(loop, but=own)
+        other = loop.call_soon(lambda: None)
+        busy = nothing_else_ready(loop, but=own)
+        other.cancel()
+        cancelled = nothing_else_ready(loop, but=own)
+        own.cancel()
+        return quiet, mine_only, busy, cancelled
+
+    assert asyncio.run(probe()) == (True, True, False, True)
+    assert not nothing_else_ready(object())  # type: ignore[arg-type]  # cannot tell

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from pipeline._actor import EAGER_SEND_S, HOLD_S, _Pacer
@@ -98,3 +99,38 @@ async def test_quick_chunks_of_a_handler_that_never_suspends_leave_every_hold_pe
         pacer.sent()
         sent += 1
     assert 3 <= len(outbox.frames) < sent / 2  # batches, each within a hold period
+
+
+async def test_a_message_reader_flushes_at_once_unless_it_woke_something() -> None:
+    """After a message is handled, what it queued leaves at once when nothing else is
+    ready to run; when it woke a task, the flush waits for that task, which may add to it."""
+    outbox = _Captured()
+    loop = asyncio.get_running_loop()
+    woken: asyncio.Future[None] = loop.create_future()
+
+    def handle_quietly(frames: list[bytes]) -> None:
+        outbox.send("peer", frames[0])
+
+    def handle_waking(frames: list[bytes]) -> None:
+        outbox.send("peer", frames[0])
+        woken.set_result(None)  # schedules the waiting task's step
+
+    checked: asyncio.Future[tuple[int, int]] = loop.create_future()
+
+    def read() -> None:  # a loop callback, as a socket reader is
+        outbox.flushing_after(handle_quietly)([b"\x01"])
+        at_once = len(outbox.frames)
+        outbox.flushing_after(handle_waking)([b"\x02"])
+        checked.set_result((at_once, len(outbox.frames)))
+
+    async def waiter() -> None:
+        await woken
+        outbox.send("peer", b"\x03")  # joins the pending flush
+
+    task = loop.create_task(waiter())
+    await asyncio.sleep(0)  # the waiter now waits
+    loop.call_soon(read)
+    assert await asyncio.wait_for(checked, 5) == (1, 1)
+    await asyncio.wait_for(task, 5)
+    await asyncio.sleep(0)
+    assert len(outbox.frames) == 2  # the second message's frame and the woken send, in one
