@@ -24,6 +24,7 @@ from pipeline._batching import Batcher
 from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget, file_run
 from pipeline._encoded import DECODE_ERRORS, Encoded
 from pipeline._errors import (
+    ChunkGap,
     EndOfChannel,
     FailureInfo,
     PayloadError,
@@ -72,6 +73,12 @@ def _own_cancel(stage: str) -> RuntimeError:
         "though the request was not; cancel helper tasks only when the handler no longer "
         "awaits them"
     )
+
+
+def _ended(request_id: str) -> RequestAborted:
+    """What a handler that goes on after its request ended (it caught the cancellation)
+    gets when it sends: nothing more leaves for that request."""
+    return RequestAborted(request_id, "it ended; its handler went on after being cancelled")
 
 
 def _let_go(exc: BaseException, kwargs: dict[str, Any]) -> None:
@@ -209,8 +216,12 @@ class StageActor:
             self._only_output = next(iter(self._outputs.items()))
         self._batcher: Batcher | None = None
         if plan.signature.batched and plan.spec.max_batch_size > 1:
+            # No more than max_concurrency requests are ever in the handler at once: a batch
+            # waiting for more would wait out max_wait_ms every time.
             self._batcher = Batcher(
-                instance, plan.spec.max_batch_size, plan.spec.max_wait_ms / 1000
+                instance,
+                min(plan.spec.max_batch_size, plan.spec.max_concurrency),
+                plan.spec.max_wait_ms / 1000,
             )
         self._chunk_timeout = max(e.chunk_timeout for e in plan.inputs.values())
         self._max_requests = 2 * max_inflight
@@ -542,6 +553,8 @@ class StageActor:
         rid = req.request_id
         if rid not in self._requests:
             return
+        if isinstance(exc, ChunkGap):
+            exc = self._explain_gap(req, exc)
         try:
             self._report_failure(error_to_failure(exc, stage=self.stage, request_id=rid))
         except Exception as report_exc:  # the control socket refused it (the master is gone?)
@@ -550,6 +563,31 @@ class StageActor:
             )
         req.task = None  # ending anyway: forget() must not cancel it
         self.forget(rid, exc)
+
+    def _explain_gap(self, req: _Request, gap: ChunkGap) -> ChunkGap:
+        """``gap``, saying so when another input of the request holds a full window unread.
+
+        That input's producer then waits for credit, and if it also makes the missing
+        chunk's input (two branches from one stage, met here), it never sends it: the
+        handler reads one input to its end before the other. No timeout helps that.
+        """
+        for edge, inflow in req.inflows.items():
+            window = self._inputs_by_edge[edge][1].plan.window
+            if edge != gap.edge and inflow.buffer.buffered >= window:
+                return ChunkGap(
+                    gap.request_id,
+                    gap.edge,
+                    gap.seq,
+                    gap.timeout,
+                    advice=(
+                        f"meanwhile edge {edge!r} holds {inflow.buffer.buffered} chunks the "
+                        "handler has not read, a full credit window, so its producer waits "
+                        "for credit; if that producer also feeds this edge, it never sends "
+                        "the missing chunk: read both inputs as they come (or raise "
+                        f"{edge!r}'s window past the stream's length)"
+                    ),
+                )
+        return gap
 
     async def _produce(self, req: _Request, ctx: Context, kwargs: dict[str, Any]) -> None:
         if self._batcher is not None:
@@ -573,8 +611,11 @@ class StageActor:
                     # needs no waiting, as a stream of small chunks usually does.
                     dst, out = single
                     encode, try_send = out.codec.encode, out.try_send
+                    requests = self._requests
                     target = None
                     async for value in agen:
+                        if requests.get(rid) is not req:
+                            raise _ended(rid)
                         encoded = encode(value)
                         if target is None:
                             target = self._target(dst, req)
@@ -619,6 +660,8 @@ class StageActor:
         req: _Request,
         dst: str,
     ) -> None:
+        if self._requests.get(rid) is not req:
+            raise _ended(rid)
         target = self._target(dst, req)
         if not out.try_send(rid, encoded, final, target):
             await out.send(rid, encoded, final, target)

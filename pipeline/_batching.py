@@ -1,7 +1,11 @@
 """Dynamic batching: requests that are ready together go through ``process_batch`` at once.
 
 A batch closes when it holds ``max_batch_size`` items or ``max_wait`` seconds after its first
-item arrived, whichever comes first. A request cancelled while queued is left out.
+item arrived, whichever comes first. A replica admits at most ``max_concurrency`` requests at
+once, so a batch never waits for more than that many items. A request cancelled while queued
+is left out and takes no place in a batch. When ``process_batch`` raises CancelledError for
+a request aborted meanwhile (``ctx.checkpoint()``), the batch runs again without it: the
+others are not failed for it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ from typing import Any
 from pipeline._stage import Context, Stage
 
 __all__ = ("Batcher",)
+
+#: One queued input: its value, its request's context, the future of its output, and the
+#: loop time it arrived at.
+_Entry = tuple[Any, Context, "asyncio.Future[Any]", float]
 
 _OWN_CANCEL = (
     "something process_batch awaited was cancelled (CancelledError), though the batch was "
@@ -26,10 +34,12 @@ class Batcher:
         self._process_batch = instance.process_batch  # type: ignore[attr-defined]  # checked
         self._max = max_batch_size
         self._wait = max_wait
-        self._queue: asyncio.Queue[tuple[Any, Context, asyncio.Future[Any]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Entry] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.batches = 0
         self.items = 0
+        #: Batches run again without the requests aborted while they ran.
+        self.reruns = 0
 
     async def submit(self, value: Any, ctx: Context) -> Any:
         """Queue one input and wait for its output.
@@ -37,27 +47,36 @@ class Batcher:
         Raises:
             Exception: whatever ``process_batch`` raised for the batch holding this input.
         """
+        loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((value, ctx, fut))
+            self._task = loop.create_task(self._loop())
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._queue.put_nowait((value, ctx, fut, loop.time()))
         return await fut
 
-    async def _collect(self) -> list[tuple[Any, Context, asyncio.Future[Any]]]:
-        batch = [await self._queue.get()]
+    async def _collect(self) -> list[_Entry]:
+        """The next batch: items not yet abandoned, from the first one's arrival on."""
+        queue = self._queue
+        first = await queue.get()
+        while first[2].done():  # abandoned while queued: no place in a batch, no wait
+            first = await queue.get()
+        batch = [first]
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._wait
+        deadline = first[3] + self._wait
         while len(batch) < self._max:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                while len(batch) < self._max and not self._queue.empty():
-                    batch.append(self._queue.get_nowait())
-                break
-            try:
-                async with asyncio.timeout(remaining):
-                    batch.append(await self._queue.get())
-            except TimeoutError:
-                break
+            if queue.empty():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    async with asyncio.timeout(remaining):
+                        entry = await queue.get()
+                except TimeoutError:
+                    break
+            else:
+                entry = queue.get_nowait()
+            if not entry[2].done():
+                batch.append(entry)
         return [entry for entry in batch if not entry[2].done()]
 
     async def _loop(self) -> None:
@@ -66,36 +85,48 @@ class Batcher:
             # read in place, whose transport holds them until they die) go with it.
             await self._run(await self._collect())
 
-    async def _run(self, batch: list[tuple[Any, Context, asyncio.Future[Any]]]) -> None:
+    async def _run(self, batch: list[_Entry]) -> None:
         """Run one batch and settle its requests' futures."""
-        if not batch:
+        while batch:
+            self.batches += 1
+            self.items += len(batch)
+            try:
+                results = await self._process_batch([b[0] for b in batch], [b[1] for b in batch])
+                if not isinstance(results, list | tuple):
+                    raise TypeError(
+                        "process_batch must return a list with one output per input, not "
+                        f"{type(results).__name__}"
+                    )
+                if len(results) != len(batch):
+                    raise ValueError(
+                        f"process_batch returned {len(results)} outputs for {len(batch)} inputs"
+                    )
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # the batcher is closing, and the replica cancels its requests
+                live = [e for e in batch if not e[1].cancelled and not e[2].done()]
+                if len(live) < len(batch) and any(e[1].cancelled for e in batch):
+                    # A request aborted meanwhile stopped the batch (ctx.checkpoint()): the
+                    # others run again without it.
+                    self.reruns += 1
+                    batch = live
+                    continue
+                # Something process_batch awaited was cancelled, not the batcher: only this
+                # batch fails, the next one runs.
+                self._fail(batch, RuntimeError(_OWN_CANCEL))
+                return
+            except Exception as exc:
+                self._fail(batch, exc)
+                return
+            for (_, _, fut, _), result in zip(batch, results, strict=True):
+                if not fut.done():
+                    fut.set_result(result)
             return
-        self.batches += 1
-        self.items += len(batch)
-        try:
-            results = await self._process_batch([b[0] for b in batch], [b[1] for b in batch])
-            if len(results) != len(batch):
-                raise ValueError(
-                    f"process_batch returned {len(results)} outputs for {len(batch)} inputs"
-                )
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is None or task.cancelling():
-                raise  # the batcher is closing, and the replica cancels its requests
-            # Something process_batch awaited was cancelled, not the batcher: only this
-            # batch fails, the next one runs.
-            self._fail(batch, RuntimeError(_OWN_CANCEL))
-            return
-        except Exception as exc:
-            self._fail(batch, exc)
-            return
-        for (_, _, fut), result in zip(batch, results, strict=True):
-            if not fut.done():
-                fut.set_result(result)
 
     @staticmethod
-    def _fail(batch: list[tuple[Any, Context, asyncio.Future[Any]]], exc: Exception) -> None:
-        for _, _, fut in batch:
+    def _fail(batch: list[_Entry], exc: Exception) -> None:
+        for _, _, fut, _ in batch:
             if not fut.done():
                 fut.set_exception(exc)
 

@@ -142,14 +142,26 @@ class MasterUnavailable(StageUnavailable):
 class ChunkGap(PipelineError):
     """A chunk was not received within the chunk timeout; the request fails, never hangs."""
 
-    def __init__(self, request_id: str, edge: str, seq: int, timeout: float) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        edge: str,
+        seq: int,
+        timeout: float,
+        *,
+        advice: str = "raise chunk_timeout if the upstream stage is slow",
+        message: str | None = None,
+    ) -> None:
+        """``advice`` ends the message; ``message``, when given, is the whole of it (as
+        rebuilt from a failure record)."""
         self.request_id = request_id
         self.edge = edge
         self.seq = seq
         self.timeout = timeout
         super().__init__(
-            f"request {request_id}: chunk {seq} on edge {edge!r} did not arrive within "
-            f"{timeout:g}s (chunk_timeout); raise chunk_timeout if the upstream stage is slow"
+            message
+            or f"request {request_id}: chunk {seq} on edge {edge!r} did not arrive within "
+            f"{timeout:g}s (chunk_timeout); {advice}"
         )
 
 
@@ -281,7 +293,9 @@ def failure_to_error(info: FailureInfo) -> PipelineError:
     """Rebuild the exception a :class:`FailureInfo` describes."""
     match info.kind:
         case "chunk_gap":
-            return ChunkGap(info.request_id, info.edge, info.seq, info.timeout)
+            return ChunkGap(
+                info.request_id, info.edge, info.seq, info.timeout, message=info.message or None
+            )
         case "payload":
             return PayloadError(info.message, field=info.field or None)
         case "transport":

@@ -194,10 +194,17 @@ def inspect_stage(cls: type[Stage], stage: str) -> StageSignature:
     per_dest = None
     if isinstance(out, type) and issubclass(out, Outputs):
         per_dest = {name: _unwrap_optional(tp) for name, tp in typing.get_type_hints(out).items()}
-    batched = callable(getattr(cls, "process_batch", None))
+    process_batch = getattr(cls, "process_batch", None)
+    batched = callable(process_batch)
     if batched and (len(inputs) != 1 or inputs[0].streaming or streaming_out):
         raise ConfigError(
             f"{cls.__name__}.process_batch needs one plain input and a plain output", path=path
+        )
+    if batched and not inspect.iscoroutinefunction(process_batch):
+        raise ConfigError(
+            f"{cls.__name__}.process_batch must be 'async def process_batch(self, items, "
+            "ctxs) -> list'",
+            path=path,
         )
     return StageSignature(cls, tuple(inputs), out, streaming_out, per_dest, batched)
 
@@ -302,6 +309,13 @@ def _build(spec: PipelineSpec) -> PipelinePlan:
         cls = load_stage_class(sspec.impl, stage=name)
         sig = inspect_stage(cls, name)
         sigs[name] = sig
+        if not sig.batched and sspec.max_batch_size > 1:
+            raise ConfigError(
+                f"stage {name!r} sets max_batch_size {sspec.max_batch_size}, but "
+                f"{cls.__name__} defines no process_batch to take a batch; define "
+                "'async def process_batch(self, items, ctxs)' or remove max_batch_size",
+                path=f"stages.{name}.max_batch_size",
+            )
         stages[name] = StagePlan(name, sspec, sig, _validate_params(sspec, cls, name))
     for name, sig in sigs.items():
         downstream = spec.downstream(name) or [CLIENT]

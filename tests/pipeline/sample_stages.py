@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from pydantic import BaseModel
@@ -391,3 +393,85 @@ class WhoAmI(Stage):
         if text.value == "spin":
             await asyncio.to_thread(self._spin, ctx)
         return Text(f"{ctx.request_id}|{ctx.stage}|{ctx.replica}|{ctx.cancelled}")
+
+
+class SteppedBatch(Stage):
+    """Upper-cases texts in batches. A batch holding the text "hold" first writes "running N"
+    (its size) to the file named by the STEP_MARKER environment variable, then computes in
+    steps of 10 ms for 5 s, calling each request's ``ctx.checkpoint()`` between steps as a
+    long batched computation does."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        return (await self.process_batch([text], [ctx]))[0]
+
+    async def process_batch(self, texts: list[Text], ctxs: list[Context]) -> list[Text]:
+        if any(t.value == "hold" for t in texts):
+            marker = Path(os.environ["STEP_MARKER"])
+            await asyncio.to_thread(marker.write_text, f"running {len(texts)}")
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+                for ctx in ctxs:
+                    await ctx.checkpoint()
+        return [Text(f"{t.value.upper()}#{len(texts)}") for t in texts]
+
+
+class SyncBatch(Stage):
+    """A process_batch that is not a coroutine function: refused when the pipeline builds."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        return text
+
+    def process_batch(self, texts: list[Text], ctxs: list[Context]) -> list[Text]:
+        return texts
+
+
+class GeneratorBatch(Stage):
+    """A process_batch that returns a generator instead of a list."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        return text
+
+    async def process_batch(self, texts: list[Text], ctxs: list[Context]) -> Any:
+        return (t for t in texts)
+
+
+class SwallowsCancel(Stage):
+    """Joins the words of its stream; cancelled, it swallows the cancellation, tries to read
+    on and returns what it has anyway, as a careless handler might."""
+
+    async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
+        words: list[str] = []
+        try:
+            async for token in tokens:
+                words.append(token.value)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                async for token in tokens:
+                    words.append(token.value)
+        return Text(" ".join(words))
+
+
+class Sides(Outputs):
+    """A token for each of two downstream stages."""
+
+    left: Token | None = None
+    right: Token | None = None
+
+
+class ToBothSides(Stage):
+    """Streams ``int(text)`` tokens to 'left' and to 'right', one after the other."""
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Sides]:
+        for i in range(int(text.value)):
+            yield Sides(left=Token(i, f"l{i}"), right=Token(i, f"r{i}"))
+
+
+class LeftThenRight(Stage):
+    """Reads its 'left' stream to its end, then its 'right' one: with both fed by one
+    producer in turn, streams longer than a window cannot complete."""
+
+    async def process(self, left: Stream[Token], right: Stream[Token], ctx: Context) -> Text:
+        lefts = [t.value async for t in left]
+        rights = [t.value async for t in right]
+        return Text(f"{len(lefts)}/{len(rights)}")
