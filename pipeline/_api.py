@@ -181,6 +181,7 @@ class Pipeline:
         *,
         timeout: float = 10.0,
         keys: str | os.PathLike[str] | None = None,
+        device: str | None = None,
     ) -> RemotePipeline:
         """A client of the pipeline a remote master serves (``stagewire master``), with this
         class's calls; connects on ``async with`` (or ``start``).
@@ -192,14 +193,20 @@ class Pipeline:
             keys: the directory of the pipeline's CURVE key pair (``stagewire keys``), for a
                 master that runs with one; default: ``STAGEWIRE_KEYS``, if set. A master
                 that refuses the handshake fails ``start`` at once with MasterUnavailable.
+            device: where output tensors land, as ``torch.load``'s ``map_location``:
+                ``"cpu"`` on a host without the GPU the sinks' tensors were made on,
+                ``"cuda:1"`` for another GPU of this one. Each tensor sent from another
+                device is rebuilt there from its bytes. Default: the device it was sent from.
 
         Raises:
-            ConfigError: ``timeout`` is not positive, or ``keys`` names no valid key pair.
+            ConfigError: ``timeout`` is not positive, ``keys`` names no valid key pair, or
+                ``device`` names no device this process can use (checked here, before
+                connecting).
         """
         # Imported here: the remote client builds on this module (SinkOutput).
         from pipeline._remote import RemotePipeline
 
-        return RemotePipeline(endpoint, timeout=timeout, keys=keys)
+        return RemotePipeline(endpoint, timeout=timeout, keys=keys, device=device)
 
     def _master_or_fail(self) -> Master:
         if self._master is None:

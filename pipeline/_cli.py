@@ -6,6 +6,7 @@
                   [--external-workers] [--bind tcp://HOST:PORT] [--keys DIR]
     stagewire master CONFIG [--bind tcp://HOST:PORT] [--keys DIR]
     stagewire submit --master tcp://HOST:PORT --input JSON [--timeout S] [--keys DIR]
+                     [--device DEVICE]
     stagewire validate CONFIG
     stagewire worker --master tcp://HOST:PORT --stage NAME [--replica K] [--headless]
                      [--keys DIR]
@@ -37,6 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline import _collector
 from pipeline._api import Pipeline, SinkOutput
+from pipeline._codec import resolve_device
 from pipeline._errors import (
     ConfigError,
     MasterUnavailable,
@@ -353,7 +355,7 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
     A :class:`~pipeline.RemotePipeline` underneath: the input is decoded as the source's
     type when this host has the stages' code (else sent as plain JSON values, which the
     master decodes as that type), and each output is printed as JSON as it arrives,
-    tensors and arrays summarised.
+    tensors and arrays summarised (``--device`` says where their tensors are decoded).
     """
     if not args.timeout > 0:
         # Checked first: a timeout of 0 would bound the connecting too, and fail it as if
@@ -361,6 +363,12 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
         raise _Fail(
             f"--timeout must be a positive number of seconds, not {args.timeout:g}", EXIT_CONFIG
         )
+    if args.device is not None:
+        # Checked here too, so that its error names --device and not --master.
+        try:
+            resolve_device(args.device)
+        except ConfigError as exc:
+            raise _Fail(f"--device: {exc}", EXIT_CONFIG) from None
     try:
         value = msgspec.json.decode(args.input)
     except msgspec.DecodeError as exc:
@@ -381,7 +389,10 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
     try:
         # Connecting has its own bound, and says so: no master answered, or it refused.
         async with Pipeline.connect(
-            args.master, timeout=min(10.0, args.timeout), keys=keys.directory if keys else None
+            args.master,
+            timeout=min(10.0, args.timeout),
+            keys=keys.directory if keys else None,
+            device=args.device,
         ) as pipe:
             async with asyncio.timeout_at(deadline):
                 if pipe.source_type is not Any:
@@ -517,6 +528,12 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--input", required=True, help="the input as JSON")
     submit.add_argument(
         "--timeout", type=float, default=60.0, help="seconds to wait for the request to end"
+    )
+    submit.add_argument(
+        "--device",
+        metavar="DEVICE",
+        help="decode output tensors onto DEVICE (cpu, cuda:N) instead of the device they were "
+        "sent from, e.g. cpu on a host without the master's GPUs",
     )
     for command in (run, master, submit):
         command.add_argument(

@@ -13,6 +13,11 @@ still carries them views the device bytes as the tensor, with no trip through th
 A transport that cannot carry device memory gets the payload after ``to_host``; decoding
 then moves such a tensor back to the device its record names, as before.
 
+A decode may instead name the device every tensor lands on, as ``torch.load``'s
+``map_location`` does: a remote client on a host without the GPU its outputs were made on
+decodes them onto the CPU (``Pipeline.connect(..., device="cpu")``). Stages never do; a
+decode that names no device takes the same path as before, at no extra cost per tensor.
+
 torch and numpy are imported lazily, so a stage that moves no tensors never pays for them.
 """
 
@@ -28,9 +33,9 @@ from typing import Annotated, Any, Generic, TypeVar
 import msgspec
 
 from ._encoded import DECODE_ERRORS, Buffer, Encoded
-from ._errors import PayloadError
+from ._errors import ConfigError, PayloadError
 
-__all__ = ("PayloadCodec", "codec_for")
+__all__ = ("PayloadCodec", "codec_for", "resolve_device")
 
 T = TypeVar("T")
 
@@ -60,6 +65,9 @@ class _CallState(threading.local):
     incoming: tuple[Buffer, ...] = ()
     #: The device buffers of the decode in progress; None for a host-only payload.
     incoming_device: dict[int, Any] | None = None
+    #: The device the decode in progress lands every tensor on; read only by the hook of a
+    #: decode that names one, so that other decodes never look at it.
+    onto: str = "cpu"
 
 
 _state = _CallState()
@@ -250,6 +258,34 @@ def _decode_tensor(ref: _Ref) -> Any:
         ) from e
 
 
+def _decode_tensor_onto(ref: _Ref, onto: str) -> Any:
+    """Rebuild the tensor ``ref`` describes on device ``onto``, whatever device it was sent from.
+
+    Host bytes become a CPU tensor, as for a tensor sent from the CPU, which moves to
+    ``onto`` unless that is the CPU; device bytes (a transport that carries device memory)
+    are viewed where the transport put them and moved to ``onto``.
+    """
+    device_buffers = _state.incoming_device
+    if device_buffers is not None and ref.index in device_buffers:
+        tensor = _decode_tensor(ref)
+    else:
+        tensor = _decode_tensor(ref if ref.device == "cpu" else _on_cpu(ref))
+        if onto == "cpu":
+            return tensor
+    try:
+        return tensor.to(onto)
+    # As in _decode_tensor: a failed move raises any of these, depending on the device.
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise PayloadError(
+            f"cannot decode a tensor sent from device {ref.device!r} onto {onto!r}: {e}"
+        ) from e
+
+
+def _on_cpu(ref: _Ref) -> _Ref:
+    """``ref`` as if its tensor had been sent from the CPU: its bytes are the same."""
+    return msgspec.structs.replace(ref, device="cpu")
+
+
 def _decode_array(ref: _Ref) -> Any:
     """Rebuild the numpy array ``ref`` describes."""
     import numpy as np
@@ -282,6 +318,21 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     try:
         return _decode_tensor(ref) if code == _EXT_TENSOR else _decode_array(ref)
     # A shape that fits the buffer can still be too large for torch or numpy, e.g. (0, 2**63).
+    except (RuntimeError, ValueError, OverflowError) as e:
+        raise PayloadError(f"cannot rebuild a {ref.dtype} array of shape {ref.shape}: {e}") from e
+
+
+def _ext_hook_onto(code: int, data: memoryview) -> Any:
+    """:func:`_ext_hook` for a decode that names a device: tensors land on ``_state.onto``."""
+    if code != _EXT_TENSOR:
+        return _ext_hook(code, data)
+    try:
+        ref = _REF_DECODER.decode(data)
+    except DECODE_ERRORS as e:
+        raise PayloadError(f"malformed buffer reference in header: {e}") from e
+    try:
+        return _decode_tensor_onto(ref, _state.onto)
+    # As in _ext_hook: a shape that fits the buffer can still be too large for torch.
     except (RuntimeError, ValueError, OverflowError) as e:
         raise PayloadError(f"cannot rebuild a {ref.dtype} array of shape {ref.shape}: {e}") from e
 
@@ -339,7 +390,7 @@ class PayloadCodec(Generic[T]):
         type: the declared payload type.
     """
 
-    __slots__ = ("_check", "_decoder", "type")
+    __slots__ = ("_check", "_decoder", "_decoder_onto", "type")
 
     def __init__(self, type_: type[T] | Any) -> None:
         self.type = type_
@@ -351,6 +402,8 @@ class PayloadCodec(Generic[T]):
             )
         except TypeError as e:
             raise PayloadError(f"cannot build a codec for {type_!r}: {e}") from e
+        #: The decoder of decodes that name a device, built on the first one.
+        self._decoder_onto: msgspec.msgpack.Decoder[T] | None = None
 
     def encode(self, value: T) -> Encoded:
         """Encode ``value``, sharing the memory of contiguous CPU tensors and arrays.
@@ -384,15 +437,24 @@ class PayloadCodec(Generic[T]):
         _state.outgoing_device = None
         return Encoded(header, tuple(out), device_buffers=on_device)
 
-    def decode(self, encoded: Encoded) -> T:
+    def decode(self, encoded: Encoded, *, device: str | None = None) -> T:
         """Decode ``encoded`` as the declared type, sharing writable buffers' memory.
 
         Tensors whose bytes are in ``encoded.device_buffers`` are views of those device
         tensors: no copy, and they keep the device memory alive.
 
+        Args:
+            encoded: the payload.
+            device: where every tensor lands, whatever device it was sent from, as
+                :func:`resolve_device` gives it (``"cpu"``, ``"cuda:1"``): one sent from
+                another device is rebuilt there from its bytes (on the CPU, as one sent from
+                the CPU is), one that came as device bytes is moved there. Default: the
+                device it was sent from.
+
         Raises:
             PayloadError: the header is malformed, a buffer is missing or of the wrong size,
-                or the payload does not match the declared type (``field`` names where).
+                the payload does not match the declared type (``field`` names where), or a
+                tensor's device cannot be used here.
         """
         buffers = encoded.buffers
         # A header that references buffers when none were sent finds ``incoming`` empty,
@@ -403,11 +465,31 @@ class PayloadCodec(Generic[T]):
             if device_buffers:
                 _state.incoming_device = device_buffers
         try:
-            return self.decode_header(encoded.header)
+            if device is None:
+                return self.decode_header(encoded.header)
+            return self._decode_onto(encoded.header, device)
         finally:
             if buffers:
                 _state.incoming = ()
                 _state.incoming_device = None
+
+    def _decode_onto(self, header: bytes, device: str) -> T:
+        """Decode ``header`` (its buffers set already) with every tensor landing on ``device``.
+
+        Its own decoder's extension hook reads ``device``, so that a decode naming none
+        pays nothing per tensor for the option.
+        """
+        decoder = self._decoder_onto
+        if decoder is None:
+            decoder = self._decoder_onto = msgspec.msgpack.Decoder(
+                self.type, ext_hook=_ext_hook_onto, dec_hook=_dec_hook
+            )
+        _state.onto = device
+        try:
+            return decoder.decode(header)
+        # A ValidationError is a DecodeError too: _decode_error tells them apart.
+        except DECODE_ERRORS as e:
+            raise self._decode_error(e) from e
 
     def decode_header(self, header: bytes) -> T:
         """Decode a payload that has no out-of-band buffers from its header alone.
@@ -417,13 +499,18 @@ class PayloadCodec(Generic[T]):
         """
         try:
             return self._decoder.decode(header)
-        except msgspec.ValidationError as e:
-            message = str(e)
-            _, sep, rest = message.rpartition(" - at `")
-            field = rest[:-1] if sep else None
-            raise PayloadError(f"invalid {self._name()} payload: {message}", field=field) from e
+        # A ValidationError is a DecodeError too: _decode_error tells them apart.
         except DECODE_ERRORS as e:
-            raise PayloadError(f"malformed {self._name()} payload header: {e}") from e
+            raise self._decode_error(e) from e
+
+    def _decode_error(self, e: Exception) -> PayloadError:
+        """The PayloadError for a header msgspec refused, naming the field where it can."""
+        if not isinstance(e, msgspec.ValidationError):
+            return PayloadError(f"malformed {self._name()} payload header: {e}")
+        message = str(e)
+        _, sep, rest = message.rpartition(" - at `")
+        field = rest[:-1] if sep else None
+        return PayloadError(f"invalid {self._name()} payload: {message}", field=field)
 
     def _name(self) -> str:
         return self._check.__qualname__ if self._check is not None else repr(self.type)
@@ -440,3 +527,56 @@ def codec_for(type_: Any) -> PayloadCodec[Any]:
         PayloadError: msgspec cannot decode ``type_``.
     """
     return PayloadCodec(type_)
+
+
+def resolve_device(device: str) -> str:
+    """The device ``device`` names, checked usable by this process, for decoding onto it.
+
+    ``cpu`` (also ``cpu:0``) gives ``"cpu"``, and ``meta`` (shapes and dtypes, no data)
+    always passes. A CUDA device is checked as a stage's placement is, without initialising
+    CUDA: torch must be a CUDA build that sees a device of that index. Any other device
+    (``mps``, ``xpu``, ...) is tried with an empty tensor.
+
+    Raises:
+        ConfigError: ``device`` names no torch device, or one this process cannot use; the
+            message says what to pass instead.
+    """
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError(
+            f"device {device!r} is not a torch device; pass 'cpu', or 'cuda:N' for a GPU of "
+            "this host"
+        ) from e
+    if parsed.type == "cpu":
+        return "cpu"
+    name = str(parsed)
+    if parsed.type == "cuda":
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            raise ConfigError(
+                f"device {device!r} cannot be used here: torch {torch.__version__} is a build "
+                "without CUDA; pass 'cpu' to decode tensors onto the host"
+            )
+        count = torch.cuda.device_count()
+        if (parsed.index or 0) >= count:
+            have = ", ".join(f"'cuda:{i}'" for i in range(count))
+            sees = f"sees only {have}" if count else "sees no CUDA device"
+            raise ConfigError(
+                f"device {device!r} cannot be used here: this host {sees}; pass 'cpu'"
+                + (f" or one of {have}" if count else " to decode tensors onto the host")
+            )
+        return name
+    try:
+        torch.empty(0, device=parsed)
+    # Each backend fails its own way here: AssertionError (not compiled in),
+    # NotImplementedError, RuntimeError, ModuleNotFoundError, ...
+    except Exception as e:
+        # The first sentence: some backends explain at length, and this stays one line.
+        reason = str(e).strip().split("\n")[0].split(". ")[0] or type(e).__name__
+        raise ConfigError(
+            f"device {device!r} cannot be used here ({reason}); pass 'cpu' to decode tensors "
+            "onto the host"
+        ) from e
+    return name

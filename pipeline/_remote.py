@@ -13,7 +13,9 @@
   trust.
 - Every request travels in the codec's wire form: the input and each output are the payload
   codec's msgpack header with tensors and arrays as out-of-band buffers, all in one control
-  message. Nothing is pickled.
+  message. Nothing is pickled. An output tensor decodes onto the device it was sent from
+  (``cuda:0`` for a sink on a GPU), or, with ``device``, onto that one: a client on a host
+  without the GPU gets the tensors on its CPU.
 - Many requests share the socket, told apart by a token per request; one reader dispatches
   the master's answers to each request's queue, in order.
 - A request never waits forever on a master that has gone. When the connection drops (the
@@ -49,7 +51,7 @@ import msgspec
 import structlog
 
 from pipeline._api import SinkOutput
-from pipeline._codec import PayloadCodec, codec_for
+from pipeline._codec import PayloadCodec, codec_for, resolve_device
 from pipeline._encoded import DECODE_ERRORS, Encoded, to_host
 from pipeline._errors import (
     ConfigError,
@@ -127,6 +129,8 @@ class RemotePipeline:
         timeout: seconds to wait for the master's answer: on connecting, whenever it
             goes quiet while requests are in flight, and, for a request made while the
             connection is down, for a master to welcome the client again.
+        device: where output tensors land (``"cpu"``, ``"cuda:1"``), whatever device
+            they were sent from; None: the device each was sent from.
     """
 
     def __init__(
@@ -135,17 +139,19 @@ class RemotePipeline:
         *,
         timeout: float = 10.0,
         keys: str | os.PathLike[str] | None = None,
+        device: str | None = None,
     ) -> None:
         """Check the arguments; connects nothing (``start`` or ``async with`` does).
 
         Raises:
-            ConfigError: ``timeout`` is not positive, or ``keys`` (or ``STAGEWIRE_KEYS``)
-                names no valid key pair.
+            ConfigError: ``timeout`` is not positive, ``keys`` (or ``STAGEWIRE_KEYS``)
+                names no valid key pair, or ``device`` no device this process can use.
         """
         if not timeout > 0:
             raise ConfigError(f"timeout must be positive, not {timeout!r}")
         self.endpoint = endpoint
         self.timeout = float(timeout)
+        self.device = None if device is None else resolve_device(device)
         self._keys = resolve_keys(keys)
         self._link = MasterLink(
             endpoint,
@@ -473,7 +479,7 @@ class RemotePipeline:
             PayloadError: it does not decode as that type.
         """
         codec = self._sink_codecs.get(msg.stage) or codec_for(Any)
-        value = codec.decode(Encoded(msg.value, tuple(msg.buffers)))
+        value = codec.decode(Encoded(msg.value, tuple(msg.buffers)), device=self.device)
         if self._welcome is not None and len(self._welcome.sinks) > 1:
             return SinkOutput(msg.stage, value)
         return value
