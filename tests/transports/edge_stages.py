@@ -11,6 +11,7 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -33,6 +34,15 @@ def pattern(seq: int) -> int:
     return (seq * 37 + 11) % 251
 
 
+async def _file_made(path: Path, timeout: float) -> None:
+    """Wait until another process has made ``path``: nothing announces it, so poll."""
+    async with asyncio.timeout(timeout):
+        while True:
+            if await asyncio.to_thread(path.exists):
+                return
+            await asyncio.sleep(0.01)
+
+
 class Alternate(Stage):
     """Streams ``count`` pieces whose sizes cycle through ``sizes``.
 
@@ -43,13 +53,23 @@ class Alternate(Stage):
     class Params(BaseModel):
         count: int = 8
         sizes: list[int] = [512, 16 * 1024]
+        #: A file to wait for (up to 30 s) before the second piece (empty: no wait).
+        second_after: str = ""
+        #: A file created once the second piece has had a moment to leave (empty: none).
+        second_sent: str = ""
 
     async def process(self, text: Text, ctx: Context) -> AsyncIterator[Piece]:
-        assert isinstance(self.params, Alternate.Params)
-        count = int(text.value) if text.value else self.params.count
+        params = self.params
+        assert isinstance(params, Alternate.Params)
+        count = int(text.value) if text.value else params.count
         for seq in range(count):
-            size = self.params.sizes[seq % len(self.params.sizes)]
+            if seq == 1 and params.second_after:
+                await _file_made(Path(params.second_after), 30)
+            size = params.sizes[seq % len(params.sizes)]
             yield Piece(seq, np.full(size, pattern(seq), np.uint8))
+            if seq == 1 and params.second_sent:
+                await asyncio.sleep(0.2)  # loop turns enough for the queued chunk to leave
+                await asyncio.to_thread(Path(params.second_sent).touch)
 
 
 class Verify(Stage):

@@ -279,7 +279,10 @@ async def test_a_consumer_finding_its_producer_gone_has_the_master_declare_it_at
         "options": {"window": "1MiB", "segment_size": "1MiB"},
     }
     mark = tmp_path / "computing"
+    sent = tmp_path / "second sent"
     data["stages"]["sink"]["params"] = {"block": 1.5, "mark": str(mark)}
+    # The second piece leaves only once the sink computes: its fetch cannot have begun.
+    data["stages"]["source"]["params"] |= {"second_after": str(mark), "second_sent": str(sent)}
     spec = PipelineSpec.from_dict(data)
     pipe = Pipeline(spec)
     starting = asyncio.ensure_future(pipe.start(launch=False))
@@ -294,8 +297,9 @@ async def test_a_consumer_finding_its_producer_gone_has_the_master_declare_it_at
         assert master is not None
         request = asyncio.ensure_future(pipe.submit(Text("2")))
         # The kill lands inside the sink's 1.5 s of compute on piece 0, which it marks as
-        # it starts: its loop can answer nothing then, and piece 1 waits at the producer.
-        await wait_for(mark.exists, 30, interval=0.01)
+        # it starts: its loop can answer nothing then, and piece 1, sent since, waits at
+        # the producer.
+        await wait_for(sent.exists, 30, interval=0.01)
         t0 = time.monotonic()
         procs[0].kill()
         with pytest.raises(StageUnavailable, match="'source' unavailable"):
