@@ -10,6 +10,20 @@ larger than ``window_bytes`` still goes, alone). Windows are per request, so a r
 whose consumer has not started yet never starves another request's stream, and memory
 held for an edge is bounded by a window per admitted request. The consumer returns credit
 every half window of chunks, and at once when the producer says its byte window is full.
+
+A transport with a fixed capacity shared by the whole edge (the shm arena) needs one more
+bound. A consumer may hold several requests at once and run only some of them (its
+``max_concurrency``): the others are *queued*, and nothing reads their payloads until a
+running request ends. Had each queued request its whole window, their payloads could fill
+the arena, and a running request's next put would wait for room that only its own end
+could free: it would fail (``TransportFull``) or fall back. So the payloads that requests
+not yet being read hold in such a transport share at most :data:`QUEUED_SHARE` of its
+capacity (and one byte window), across the edge; past it, such a request sends nothing
+more until its consumer begins reading it. Each request's first chunk goes regardless: a
+running handler may wait on it (a join reading its other input first), and it is what
+starts a queued request once its turn comes. On such edges the consumer returns credit at
+once for the first chunk it takes, which is how the producer learns that a request is
+being read.
 """
 
 from __future__ import annotations
@@ -20,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import structlog
@@ -53,10 +67,12 @@ log = structlog.get_logger("stagewire.channel")
 
 __all__ = (
     "LONE_WINDOWS",
+    "QUEUED_SHARE",
     "Inflow",
     "InputChannel",
     "Item",
     "OutputChannel",
+    "QueueAwareSender",
     "SendTarget",
     "file_run",
 )
@@ -75,6 +91,43 @@ MAX_RUN = 256
 #: two requests or more on the edge each gets one window, so none runs far ahead of the
 #: others.
 LONE_WINDOWS = 4
+
+#: The part of a shared transport capacity (the shm arena) that the payloads of requests
+#: not yet being read may hold together, on top of each one's first chunk. A quarter: with
+#: the default arena (128 MiB) a request being read still has its whole byte window (64
+#: MiB), with room left for the first chunks of the queued ones.
+QUEUED_SHARE = 0.25
+
+
+@runtime_checkable
+class QueueAwareSender(TransportSender, Protocol):
+    """A sending end whose capacity is shared by the whole edge, and which counts what it
+    holds for requests whose consumer has not begun reading them (see the module
+    docstring). :class:`transports.shm.ShmSender` is one; another transport whose
+    capabilities say ``bounded`` gets the same protection by implementing these four
+    members."""
+
+    @property
+    def capacity(self) -> int:
+        """The shared capacity, in bytes."""
+        ...
+
+    def hold_queued(self, descriptor: Any, request_id: str) -> None:
+        """Count the payload ``descriptor`` names as held for a queued request."""
+        ...
+
+    def now_reading(self, request_id: str) -> bool:
+        """Stop counting the payloads of ``request_id``; whether any were counted."""
+        ...
+
+    def queued_bytes(self) -> int:
+        """Bytes held for queued requests now."""
+        ...
+
+
+def _bounded(name: str) -> bool:
+    """Whether transport ``name`` can run out of capacity (its ``bounded`` capability)."""
+    return bool(getattr(getattr(resolve_transport(name), "capabilities", None), "bounded", False))
 
 
 def _bind_host(endpoint: str) -> str:
@@ -176,7 +229,7 @@ class Inflow:
     def __init__(
         self,
         buffer: ReorderBuffer[Item],
-        credit_step: int,
+        first_credit: int,
         on_end: Callable[[], None] | None = None,
     ) -> None:
         self.buffer = buffer
@@ -186,7 +239,7 @@ class Inflow:
         #: Where the producer takes credit (known from its first run).
         self.sender = ""
         #: Credit goes back once this many chunks are taken.
-        self.credit_due = credit_step
+        self.credit_due = first_credit
         #: The producer waits for credit once this many are taken (its byte window is full).
         self.asked = 0
         #: The next chunk, taken from the buffer by ``poll`` but left for ``next`` to fetch.
@@ -276,12 +329,25 @@ class _Run:
 
 
 class _Window:
-    __slots__ = ("acked", "allowed", "done", "in_flight", "next_seq", "run", "sizes", "waiter")
+    __slots__ = (
+        "acked",
+        "allowed",
+        "done",
+        "in_flight",
+        "next_seq",
+        "reading",
+        "run",
+        "sizes",
+        "waiter",
+    )
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, reading: bool) -> None:
         self.next_seq = 0
         #: The consumer read all it will of this request: later chunks are dropped here.
         self.done = False
+        #: The consumer has begun reading this request (its first credit came), or the edge
+        #: has no capacity shared with queued requests to protect.
+        self.reading = reading
         self.allowed = window
         #: Chunks below this were taken by the consumer (its latest credit).
         self.acked = 0
@@ -352,12 +418,34 @@ class OutputChannel:
         self.fallbacks = 0
         #: Chunks dropped here because their consumer had stopped reading the stream.
         self.unread = 0
+        #: Sends that waited because queued requests held their share of the capacity.
+        self.queued_waits = 0
         self._used = dict.fromkeys(edge.names, 0)
+        # The transport whose capacity queued requests may fill, if any, and their share of it.
+        # Only a bounded one: the consumer credits a request's first chunk at once only on a
+        # bounded edge, and a request held back here waits for that credit.
+        self._shared: QueueAwareSender | None = next(
+            (
+                s
+                for n, s in self._senders.items()
+                if isinstance(s, QueueAwareSender) and _bounded(n)
+            ),
+            None,
+        )
+        self._queued_share = 0
+        if self._shared is not None:
+            share = int(self._shared.capacity * QUEUED_SHARE)
+            self._queued_share = max(1, min(self._window_bytes, share))
+        #: Bytes of queued requests' puts into the shared transport still under way: not yet
+        #: counted there, but already promised.
+        self._queued_putting = 0
+        #: Windows whose send waits for the queued share to drop.
+        self._queued_waiting: set[_Window] = set()
 
     def _window(self, request_id: str) -> _Window:
         win = self._windows.get(request_id)
         if win is None:
-            win = self._windows[request_id] = _Window(self.plan.window)
+            win = self._windows[request_id] = _Window(self.plan.window, self._shared is None)
         return win
 
     async def reserve(self) -> None:
@@ -454,18 +542,28 @@ class OutputChannel:
         if win.done:
             self.unread += 1
             return
-        seq = win.next_seq
-        win.next_seq += 1
         if encoded is None:
+            seq = win.next_seq
+            win.next_seq += 1
             self._queue(win, request_id, seq, "", None, True, target.endpoint, 0)
             return
         name, sender = self._choose(encoded, target)
+        queued = False
+        if sender is self._shared and not win.reading:
+            if win.next_seq and self._queued_full() and not await self._wait_queued(win):
+                self.unread += 1
+                return
+            queued = True
+        seq = win.next_seq
+        win.next_seq += 1
         if encoded.device_buffers and name not in self._on_device:
             encoded = to_host(encoded)
         descriptor: Descriptor
         try:
             if isinstance(sender, InlineSender):
                 descriptor = sender.wrap(encoded)
+            elif queued:
+                descriptor = await self._put_queued(request_id, win, seq, encoded)
             else:
                 key = ChunkKey(request_id, self.plan.name, seq)
                 descriptor = await sender.put(key, encoded, timeout=self._transports.full_timeout)
@@ -485,6 +583,68 @@ class OutputChannel:
             note(descriptor, target.endpoint, target.pid if target.host == self.host else 0)
         self._count(name, encoded)
         self._queue(win, request_id, seq, name, descriptor, final, target.endpoint, encoded.nbytes)
+
+    def _queued_full(self) -> bool:
+        """Whether queued requests hold their whole share of the shared transport."""
+        assert self._shared is not None
+        return self._shared.queued_bytes() + self._queued_putting >= self._queued_share
+
+    async def _wait_queued(self, win: _Window) -> bool:
+        """Wait until the request of ``win`` is being read, or queued requests hold less
+        than their share of the shared transport, or its consumer stops reading it.
+
+        Returns:
+            False when its consumer stopped reading it: the chunk is not to be sent.
+
+        Raises:
+            RequestAborted: the request was aborted meanwhile.
+        """
+        self.queued_waits += 1
+        self._queued_waiting.add(win)
+        try:
+            while not win.done and not win.reading and self._queued_full():
+                win.waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await win.waiter
+                finally:
+                    win.waiter = None
+        finally:
+            self._queued_waiting.discard(win)
+        return not win.done
+
+    async def _put_queued(
+        self, request_id: str, win: _Window, seq: int, encoded: Encoded
+    ) -> Descriptor:
+        """Put a chunk of a request not yet being read into the shared transport, counting it
+        as the queued requests' until its consumer begins reading.
+
+        Raises:
+            TransportFull: no room came within the edge's ``full_timeout``.
+            TransportError: the transport could not store the payload.
+        """
+        shared = self._shared
+        assert shared is not None
+        key = ChunkKey(request_id, self.plan.name, seq)
+        nbytes = encoded.nbytes
+        self._queued_putting += nbytes
+        try:
+            descriptor = await shared.put(key, encoded, timeout=self._transports.full_timeout)
+        finally:
+            self._queued_putting -= nbytes
+        if not win.reading:
+            shared.hold_queued(descriptor, request_id)
+        return descriptor
+
+    def _now_reading(self, request_id: str, win: _Window | None) -> None:
+        """The consumer has begun reading ``request_id``: its payloads leave the queued share,
+        and sends waiting for that share look again."""
+        if win is not None:
+            win.reading = True
+        shared = self._shared
+        if shared is not None and shared.now_reading(request_id):
+            for other in list(self._queued_waiting):
+                if other.waiter is not None and not other.waiter.done():
+                    other.waiter.set_result(None)
 
     def _count(self, name: str, encoded: Encoded) -> None:
         self.bytes += encoded.nbytes
@@ -534,6 +694,11 @@ class OutputChannel:
     def on_credit(self, credit: Credit) -> None:
         """Apply credit from the consumer: chunks below ``upto`` were taken."""
         win = self._windows.get(credit.request_id)
+        if win is None or not win.reading:
+            # Its consumer has begun reading it (its handler took a chunk), or has stopped:
+            # either way its payloads are no queued request's now. The producer may have
+            # sent its last chunk already, and forgotten its window.
+            self._now_reading(credit.request_id, win)
         if win is None:
             return
         if credit.done:
@@ -575,7 +740,11 @@ class OutputChannel:
         return win is not None and win.done
 
     def forget(self, request_id: str, reason: str | None = None) -> None:
-        """Drop a request's window, failing a sender that waits on it."""
+        """Drop a request's window, failing a sender that waits on it.
+
+        What it holds in a shared transport still counts as queued until its consumer
+        reads or releases it: its consumer may not have begun reading it.
+        """
         win = self._windows.pop(request_id, None)
         if win is not None and win.waiter is not None and not win.waiter.done():
             win.waiter.set_exception(RequestAborted(request_id, reason or "finished"))
@@ -603,6 +772,7 @@ class OutputChannel:
             "bytes": self.bytes,
             "fallbacks": self.fallbacks,
             "unread": self.unread,
+            "queued_waits": self.queued_waits,
             "transport": self._transports.kind,
             "used": self.used,
             "transports": {
@@ -640,6 +810,11 @@ class InputChannel:
         #: The inline receiver once opened: its payloads are read without a coroutine.
         self._inline: InlineReceiver | None = None
         self._credit_step = max(1, plan.window // 2)
+        # On an edge whose transport may run out of room, the first chunk taken is credited
+        # at once: it tells the producer that the request is being read, not queued (see the
+        # module docstring).
+        bounded = any(_bounded(n) for n in plan.transports.names)
+        self._first_credit = 1 if bounded else self._credit_step
         #: Requests open on this edge here: one alone gets :data:`LONE_WINDOWS` windows.
         self._open = 0
         self.hop = LatencyRecorder()
@@ -718,7 +893,7 @@ class InputChannel:
                 on_discard=discard,
                 time_first=time_first,
             ),
-            self._credit_step,
+            self._first_credit,
             self._closed_one,
         )
         return inflow

@@ -52,7 +52,13 @@ _EAGER_RECLAIM = 64
 
 
 class ShmSender(AsyncResource):
-    """Producer end: copies each payload into an extent of its own segment's arena."""
+    """Producer end: copies each payload into an extent of its own segment's arena.
+
+    Besides the transport protocol, it keeps count of the arena bytes held for *queued*
+    requests (:meth:`hold_queued`, :meth:`now_reading`, :meth:`queued_bytes`): those whose
+    consumer has not begun reading them. The runtime bounds that count, so that payloads
+    nobody reads yet never take the room that the requests being read need.
+    """
 
     __slots__ = (
         "_arena",
@@ -64,6 +70,9 @@ class ShmSender(AsyncResource):
         "_generation",
         "_held",
         "_latency",
+        "_queued",
+        "_queued_bytes",
+        "_queued_slots",
         "_readers",
         "_segment",
         "_slot_count",
@@ -87,11 +96,21 @@ class ShmSender(AsyncResource):
         self._held: dict[int, tuple[int, int, int]] = {}
         # slot -> the process its payload was sent to, where the runtime said (note_reader).
         self._readers: dict[int, int] = {}
+        # Extents held for queued requests: slot -> (request id, extent size), each request's
+        # slots, and their bytes in all.
+        self._queued_slots: dict[int, tuple[str, int]] = {}
+        self._queued: dict[str, list[int]] = {}
+        self._queued_bytes = 0
         self._generation = 0
         self._latency = LatencyRecorder(1024)
         self.chunks = 0
         self.bytes = 0
         self.errors = 0
+
+    @property
+    def capacity(self) -> int:
+        """The arena's size in bytes, which every payload held for a consumer shares."""
+        return self._capacity
 
     @property
     def segment_name(self) -> str | None:
@@ -233,6 +252,46 @@ class ShmSender(AsyncResource):
         if pid and held is not None and held[0] == descriptor.generation:
             self._readers[descriptor.slot] = pid
 
+    def hold_queued(self, descriptor: ShmDescriptor, request_id: str) -> None:
+        """Count the extent ``descriptor`` names as held for ``request_id``, a request whose
+        consumer has not begun reading it, until the extent is released or
+        :meth:`now_reading` is told of the request."""
+        slot = descriptor.slot
+        held = self._held.get(slot)
+        if held is None or held[0] != descriptor.generation or slot in self._queued_slots:
+            return
+        size = held[2]
+        self._queued_slots[slot] = (request_id, size)
+        self._queued.setdefault(request_id, []).append(slot)
+        self._queued_bytes += size
+
+    def now_reading(self, request_id: str) -> bool:
+        """The consumer of ``request_id`` has begun reading it: its extents no longer count as
+        queued. Whether any did."""
+        slots = self._queued.pop(request_id, None)
+        if slots is None:
+            return False
+        queued = self._queued_slots
+        for slot in slots:
+            self._queued_bytes -= queued.pop(slot)[1]
+        return True
+
+    def queued_bytes(self) -> int:
+        """Arena bytes held for queued requests (see :meth:`hold_queued`), after taking back
+        the extents released so far."""
+        if self._queued_bytes:
+            self._reclaim()
+        return self._queued_bytes
+
+    def _unqueue(self, slot: int) -> None:
+        """Stop counting a reclaimed extent as held for a queued request."""
+        request_id, size = self._queued_slots.pop(slot)
+        self._queued_bytes -= size
+        slots = self._queued[request_id]
+        slots.remove(slot)
+        if not slots:
+            del self._queued[request_id]
+
     def readers_gone(self, endpoints: set[str]) -> None:
         """Consumers were declared dead: take back what dead processes held or were sent.
 
@@ -268,9 +327,12 @@ class ShmSender(AsyncResource):
                     if not alive[pid]:
                         done.append(slot)
         readers = self._readers
+        queued = self._queued_slots
         for slot in done:
             _, offset, size = self._held.pop(slot)
             readers.pop(slot, None)
+            if slot in queued:
+                self._unqueue(slot)
             self._arena.free(offset, size)
             self._free_slots.append(slot)
 
@@ -299,12 +361,22 @@ class ShmSender(AsyncResource):
 
     def _full(self, key: ChunkKey, need: int, timeout: float | None) -> TransportError:
         held = sum(size for _, _, size in self._held.values())
+        queued = ""
+        if self._queued_bytes:
+            # Their consumer reads them only once the requests ahead of them end: a faster
+            # consumer does not help there, a larger arena (or fewer requests at once) does.
+            queued = (
+                f"; {format_size(self._queued_bytes)} of it is held for {len(self._queued)} "
+                "requests whose consumer has not begun reading them (queued behind others), "
+                "so `capacity` must also hold a first chunk of each request the producer runs "
+                "at once"
+            )
         return self._error(
             f"{key}: no room for {format_size(need)} within {timeout:g}s; of the arena's "
             f"{format_size(self._capacity)}, {format_size(held)} is held by {len(self._held)} "
             f"unreleased extents (largest free run {format_size(self._arena.largest_free())}, "
-            f"{len(self._free_slots)} of {self._slot_count} slots free). The consumer is slow "
-            "or does not release its descriptors: raise `capacity` or release sooner",
+            f"{len(self._free_slots)} of {self._slot_count} slots free){queued}. The consumer "
+            "is slow or does not release its descriptors: raise `capacity` or release sooner",
             TransportFull,
         )
 
@@ -344,6 +416,9 @@ class ShmSender(AsyncResource):
             segment.destroy()
         self._held.clear()
         self._readers.clear()
+        self._queued_slots.clear()
+        self._queued.clear()
+        self._queued_bytes = 0
 
     def __del__(self) -> None:
         segment = getattr(self, "_segment", None)

@@ -10,7 +10,7 @@ import pytest
 from pipeline import Pipeline
 from pipeline._channel import LONE_WINDOWS
 from stages.text import Text
-from tests.pipeline.conftest import spec
+from tests.pipeline.conftest import spec, wait_for
 
 CHUNK = 256 * 1024
 COUNT = 600  # 150 MiB in all, far more than the window could hold
@@ -94,3 +94,41 @@ async def test_byte_window_bounds_large_chunks_before_the_chunk_window(
     drain = next(r for r in stats["replicas"] if r["stage"] == "drain")
     # 256 chunks of 256 KiB would be allowed by the chunk window alone.
     assert 1 <= drain["peak_buffered"] <= most_buffered, drain["peak_buffered"]
+
+
+async def _arena_empty(pipe: Pipeline) -> bool:
+    """Whether the producers' shm arenas hold no extent."""
+    stats = await pipe.statistics()
+    return not any(
+        out["transports"].get("shm", {}).get("held", 0)
+        for replica in stats["replicas"]
+        for out in replica["outputs"]
+    )
+
+
+async def test_queued_requests_leave_the_shm_arena_to_the_running_one() -> None:
+    """Requests queued behind a consumer's max_concurrency hold only a share of the
+    producer's shm arena, so the running request's stream keeps finding room: every
+    request completes, none falls back, and the arena is empty after."""
+    count, requests = 40, 3
+    s = spec(
+        {
+            "flood": {"impl": ":Flood", "params": {"count": count, "size": 1024 * 1024}},
+            "drain": {"impl": ":Drain", "params": {"delay": 0.002}, "max_concurrency": 1},
+        },
+        [("flood", "drain")],
+        # Each request's byte window (64 MiB by default) could fill this arena alone. With
+        # no fallback, a put that finds no room within 3 s fails its request.
+        transport={"kind": "shm", "options": {"capacity": "16MiB"}, "full_timeout": 3},
+    )
+    async with Pipeline(s) as pipe:
+        results = await asyncio.gather(
+            *(pipe.submit(Text(str(i))) for i in range(requests)), return_exceptions=True
+        )
+        assert results == [Text(str(count))] * requests
+        stats = await pipe.statistics()
+        (out,) = next(r for r in stats["replicas"] if r["stage"] == "flood")["outputs"]
+        assert (out["used"], out["fallbacks"]) == ({"shm": count * requests}, 0)
+        # The queued requests were held back at their share, rather than filling the arena.
+        assert out["queued_waits"] > 0, out
+        await wait_for(lambda: _arena_empty(pipe))

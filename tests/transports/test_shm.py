@@ -474,6 +474,29 @@ async def test_exhaustion_fails_at_the_deadline(ends: tuple[ShmSender, ShmReceiv
         await receiver.release(d)
 
 
+async def test_queued_tally_follows_reading_and_releases(
+    ends: tuple[ShmSender, ShmReceiver],
+) -> None:
+    """Extents counted as held for queued requests leave the count when their request is
+    being read, or once released; a full arena's error says how much they hold."""
+    sender, receiver = ends
+    a = [await sender.put(_key(i), _blob(i, MiB), timeout=STEP) for i in range(2)]
+    b = await sender.put(_key(2), _blob(2, MiB), timeout=STEP)
+    for d in a:
+        sender.hold_queued(d, "a")
+    sender.hold_queued(b, "b")
+    extent = sender.queued_bytes() // 3
+    assert extent > MiB
+    with pytest.raises(TransportFull, match="held for 2 requests whose consumer has not begun"):
+        await _within(sender.put(_key(3), _blob(3, MiB), timeout=0.05))
+    assert (sender.now_reading("a"), sender.now_reading("a")) == (True, False)
+    assert sender.queued_bytes() == extent
+    await receiver.release(b)
+    assert sender.queued_bytes() == 0
+    for d in a:
+        await receiver.release(d)
+
+
 async def test_put_without_deadline_wakes_on_close() -> None:
     """A put waiting with no deadline fails with TransportError as soon as the sender closes."""
     async with _ends() as (sender, receiver):
