@@ -63,3 +63,27 @@ async def settled(pipe: Pipeline) -> bool:
     if stats["client"]["active"]:
         return False
     return all(r["active"] == 0 and r["open_windows"] == 0 for r in stats["replicas"])
+
+
+def grid_module(dtype: str) -> str:
+    """The source of a stage module that only a master's host has (the client cannot import
+    its output type): ``Gridify`` answers a text of n characters with a Grid whose cells are
+    ``torch.arange(2 * n, dtype=torch.<dtype>).reshape(n, 2)``."""
+    return f"""\
+import msgspec
+import torch
+
+from pipeline import Context, Stage
+from stages.text import Text
+
+
+class Grid(msgspec.Struct):
+    label: str
+    cells: torch.Tensor
+
+
+class Gridify(Stage):
+    async def process(self, text: Text, ctx: Context) -> Grid:
+        n = len(text.value)
+        return Grid(text.value, torch.arange(2 * n, dtype=torch.{dtype}).reshape(n, 2))
+"""

@@ -4,6 +4,7 @@ real processes cannot reach them on demand."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from pipeline._actor import StageActor
@@ -14,18 +15,12 @@ from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
 
 
-async def test_a_failure_the_master_cannot_be_told_of_still_ends_the_request_here() -> None:
-    """When reporting a handler's failure raises (the control socket is full: the master is
-    unreachable), the replica still forgets the request instead of holding it for good."""
+def _echo(
+    sent: list[Any], report: Callable[[FailureInfo], None]
+) -> tuple[StageActor, OutputChannel]:
+    """An Echo replica's actor, and a client's channel into it; both send into ``sent``."""
     plan = build_plan(spec({"echo": ":Echo"}, []))
     stage = plan.stages["echo"]
-    reported: list[FailureInfo] = []
-
-    def report(info: FailureInfo) -> None:
-        reported.append(info)
-        raise OSError("the control socket is full")  # as zmq.Again would
-
-    sent: list[Any] = []
     instance = stage.signature.cls(
         params=stage.params, name="echo", replica=0, device=stage.spec.device
     )
@@ -44,6 +39,20 @@ async def test_a_failure_the_master_cannot_be_told_of_still_ends_the_request_her
         endpoint="inproc://client",
         send=lambda _, run: sent.append(run),
     )
+    return actor, client
+
+
+async def test_a_failure_the_master_cannot_be_told_of_still_ends_the_request_here() -> None:
+    """When reporting a handler's failure raises (the control socket is full: the master is
+    unreachable), the replica still forgets the request instead of holding it for good."""
+    reported: list[FailureInfo] = []
+
+    def report(info: FailureInfo) -> None:
+        reported.append(info)
+        raise OSError("the control socket is full")  # as zmq.Again would
+
+    sent: list[Any] = []
+    actor, client = _echo(sent, report)
     try:
         actor.admit("r1", {"echo": 0})
         encoded = client.codec.encode(Text("boom"))
@@ -62,28 +71,9 @@ async def test_a_failure_the_master_cannot_be_told_of_still_ends_the_request_her
 async def test_a_message_that_readies_a_handler_runs_it_before_the_reader_returns() -> None:
     """A one-chunk request's handler completes inside the callback that filed its chunk:
     its output is queued before that callback returns, with no loop turn between."""
-    plan = build_plan(spec({"echo": ":Echo"}, []))
-    stage = plan.stages["echo"]
     sent: list[Any] = []
     reported: list[FailureInfo] = []
-    instance = stage.signature.cls(
-        params=stage.params, name="echo", replica=0, device=stage.spec.device
-    )
-    actor = StageActor(
-        stage,
-        instance,
-        replica=0,
-        host="h",
-        endpoint="inproc://echo",
-        send=lambda _endpoint, msg: sent.append(msg),
-        report_failure=reported.append,
-    )
-    client = OutputChannel(
-        stage.inputs["text"],
-        host="h",
-        endpoint="inproc://client",
-        send=lambda _, run: sent.append(run),
-    )
+    actor, client = _echo(sent, reported.append)
     actor.set_peers({"echo": {0: Peer("inproc://echo", "h")}}, Peer("inproc://client", "h"))
     loop = asyncio.get_running_loop()
     done: asyncio.Future[tuple[int, int]] = loop.create_future()

@@ -22,24 +22,10 @@ from hypothesis.extra import numpy as hnp
 from pipeline._codec import _REF_DECODER, _REF_ENCODER, codec_for, resolve_device
 from pipeline._encoded import Encoded
 from pipeline._errors import ConfigError, PayloadError
+from tests.pipeline.test_codec_device import Mixed, bits
 
 #: A CUDA device this process cannot use: cuda:0 without CUDA, one past the last with it.
 MISSING = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda:0"
-
-
-class Mixed(msgspec.Struct):
-    """Tensors typed and untyped, beside an array and a plain field."""
-
-    tensors: list[torch.Tensor]
-    array: np.ndarray
-    label: str
-    extra: Any = None
-
-
-def bits(t: torch.Tensor) -> bytes:
-    """The logical contents of CPU tensor ``t`` as bytes in C order."""
-    src = torch.view_as_real(t) if t.is_complex() else t
-    return src.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def sent_from(encoded: Encoded, device: str) -> Encoded:

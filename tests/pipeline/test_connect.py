@@ -40,7 +40,7 @@ from pipeline._codec import codec_for
 from pipeline._messages import WIRE_CODEC, ControlToClient, Finished, Submit, encode_message
 from pipeline._remote import REMOTE_WINDOW
 from stages.text import Text, Token
-from tests.pipeline.conftest import wait_for, workers_announced
+from tests.pipeline.conftest import grid_module, wait_for, workers_announced
 from tests.pipeline.tensor_stages import FACTORS, Frame
 from tests.procs import free_port, kill_all, start_stagewire
 
@@ -76,24 +76,7 @@ edges: []
 """
 
 #: A stage module only the master's host has: its output type cannot be imported here.
-HIDDEN_MODULE = """\
-import msgspec
-import torch
-
-from pipeline import Context, Stage
-from stages.text import Text
-
-
-class Grid(msgspec.Struct):
-    label: str
-    cells: torch.Tensor
-
-
-class Gridify(Stage):
-    async def process(self, text: Text, ctx: Context) -> Grid:
-        n = len(text.value)
-        return Grid(text.value, torch.arange(2 * n, dtype=torch.int16).reshape(n, 2))
-"""
+HIDDEN_MODULE = grid_module("int16")
 
 HIDDEN = """\
 name: hidden

@@ -28,7 +28,7 @@ from pipeline import ConfigError, PayloadError, Pipeline
 from pipeline._codec import _REF_DECODER, _REF_ENCODER, codec_for
 from pipeline._messages import Output, Welcome, encode_message
 from stages.text import Text
-from tests.pipeline.conftest import wait_for, workers_announced
+from tests.pipeline.conftest import grid_module, wait_for, workers_announced
 from tests.pipeline.tensor_stages import Frame
 from tests.pipeline.test_connect_failures import FakeMaster
 from tests.procs import ROOT, free_port, kill_all, start_stagewire
@@ -38,24 +38,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 #: A CUDA device this process cannot use: cuda:0 without CUDA, one past the last with it.
 MISSING = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda:0"
 
-GRID_MODULE = """\
-import msgspec
-import torch
-
-from pipeline import Context, Stage
-from stages.text import Text
-
-
-class Grid(msgspec.Struct):
-    label: str
-    cells: torch.Tensor
-
-
-class Gridify(Stage):
-    async def process(self, text: Text, ctx: Context) -> Grid:
-        n = len(text.value)
-        return Grid(text.value, torch.arange(2 * n, dtype=torch.bfloat16).reshape(n, 2))
-"""
+GRID_MODULE = grid_module("bfloat16")
 
 GRID = """\
 name: grid
