@@ -55,26 +55,38 @@ def resolve_edge_transports(
     full_timeout: float | None,
     chunk_timeout: float,
     inline_threshold: int,
+    path: str | None = None,
 ) -> EdgeTransports:
     """Work out which transports ``edge`` may use, checking that each accepts its options.
+
+    ``path`` is where the spec sets this transport (``edges.2.transport``, or
+    ``defaults.transport``), for errors to name the field and its line.
 
     Raises:
         ConfigError: a transport is unknown, rejects its options, or ``auto`` options are
             not keyed by transport name; the message names the edge.
     """
+
+    def at(field: str) -> str | None:
+        return f"{path}.{field}" if path else None
+
     if kind == AUTO:
         names = list(AutoPolicy(inline_threshold, same_host=True).candidates())
         unknown = sorted(set(options) - set(names))
         if unknown:
             raise ConfigError(
                 f"edge {edge!r}: options of an 'auto' transport are keyed by transport name "
-                f"({', '.join(names)}); got {unknown}"
+                f"({', '.join(names)}); got {unknown}",
+                path=at("options"),
             )
         per: dict[str, dict[str, Any]] = {}
         for name in names:
             opts = options.get(name, {})
             if not isinstance(opts, Mapping):
-                raise ConfigError(f"edge {edge!r}: options for {name!r} must be a mapping")
+                raise ConfigError(
+                    f"edge {edge!r}: options for {name!r} must be a mapping",
+                    path=at(f"options.{name}"),
+                )
             per[name] = dict(opts)
         fallback = fallback or "inline"
     else:
@@ -82,14 +94,22 @@ def resolve_edge_transports(
         per = {kind: dict(options)}
     if fallback is not None and fallback not in names:
         if fallback == AUTO:
-            raise ConfigError(f"edge {edge!r}: a fallback must be a transport, not 'auto'")
+            raise ConfigError(
+                f"edge {edge!r}: a fallback must be a transport, not 'auto'", path=at("fallback")
+            )
         names.append(fallback)
         per[fallback] = {}
     for name in names:
         try:
             create_transport(name, per[name])
         except ConfigError as exc:
-            raise ConfigError(f"edge {edge!r}: {exc.message}") from exc
+            if name == fallback and name != kind:
+                field = "fallback"
+            elif kind == AUTO:
+                field = f"options.{name}" if name in options else "kind"
+            else:
+                field = "options" if options else "kind"
+            raise ConfigError(f"edge {edge!r}: {exc.message}", path=at(field)) from exc
     if full_timeout is None:
         full_timeout = _FALLBACK_WAIT if fallback is not None else chunk_timeout
     return EdgeTransports(kind, tuple(names), per, fallback, full_timeout)

@@ -237,13 +237,22 @@ def _validate_params(spec: StageSpec, cls: type[Stage], stage: str) -> Any:
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
+        more = exc.error_count() - 1
         raise ConfigError(
-            first["msg"], path=f"stages.{stage}.params" + (f".{loc}" if loc else "")
+            first["msg"] + (f" (and {more} more)" if more else ""),
+            path=f"stages.{stage}.params" + (f".{loc}" if loc else ""),
+        ) from exc
+    # The stage's own validators may raise anything.
+    except Exception as exc:
+        raise ConfigError(
+            f"{cls.__name__}.Params raised {type(exc).__name__} validating the params: {exc}",
+            path=f"stages.{stage}.params",
         ) from exc
 
 
 def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool) -> EdgePlan:
     name = edge_name(src, dst)
+    path: str | None = None
     if CLIENT in (src, dst):
         transport = TransportSpec(kind="inline")
         window, chunk_timeout = spec.defaults.window, spec.defaults.chunk_timeout
@@ -252,6 +261,11 @@ def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool)
     else:
         e = spec.edge(src, dst)
         transport = spec.edge_transport(e)
+        path = (
+            f"edges.{spec.edges.index(e)}.transport"
+            if e.transport is not None
+            else "defaults.transport"
+        )
         window, chunk_timeout = spec.edge_window(e), spec.edge_chunk_timeout(e)
         window_bytes = spec.edge_window_bytes(e)
         threshold = spec.edge_inline_threshold(e)
@@ -263,6 +277,7 @@ def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool)
         full_timeout=transport.full_timeout,
         chunk_timeout=chunk_timeout,
         inline_threshold=threshold,
+        path=path,
     )
     return EdgePlan(
         name,

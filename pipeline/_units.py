@@ -71,6 +71,21 @@ _SIZE_HINT = "a byte count like 512, 64KiB, 1.5MiB, 1GiB or 64KB"
 _DURATION_HINT = "a duration like 30, 1.5s, 500ms, 250us, 2m or 1h"
 
 
+#: The largest byte size a spec may name (1 EiB): beyond any real memory, and small enough
+#: for every message that carries it.
+MAX_BYTE_SIZE = 1 << 60
+
+
+def _capped(size: int, value: object) -> int:
+    if size > MAX_BYTE_SIZE:
+        raise PydanticCustomError(
+            "invalid_byte_size",
+            "size {value} is larger than 1 EiB, more than any host holds",
+            {"value": repr(value)},
+        )
+    return size
+
+
 def parse_byte_size(value: object) -> int:
     """Return the number of bytes ``value`` stands for.
 
@@ -89,18 +104,18 @@ def parse_byte_size(value: object) -> int:
     if isinstance(value, int):
         if value < 0:
             raise _invalid("byte size", value, _SIZE_HINT)
-        return value
+        return _capped(value, value)
     if isinstance(value, float):
         if not value.is_integer() or value < 0:
             raise _invalid("byte size", value, _SIZE_HINT)
-        return int(value)
+        return _capped(int(value), value)
     if isinstance(value, str):
         match = _SIZE_RE.fullmatch(value.strip())
         if match is not None:
             # Decimal keeps "1.5MiB" exact; a float would round some fractional sizes.
             size = Decimal(match["number"]) * _SIZE_UNITS[match["unit"] or ""]
             if size == size.to_integral_value():
-                return int(size)
+                return _capped(int(size), value)
             raise PydanticCustomError(
                 "invalid_byte_size",
                 "size {value} is not a whole number of bytes",
@@ -238,7 +253,7 @@ TransportKind = Annotated[
 ]
 
 #: A count of at least one. It is strict so that ``replicas: "2"`` and ``replicas: true``
-#: are refused rather than coerced.
-Count = Annotated[int, Field(strict=True, ge=1)]
+#: are refused rather than coerced; at most 2**31 - 1, which every message can carry.
+Count = Annotated[int, Field(strict=True, ge=1, le=2**31 - 1)]
 #: A duration that must be positive: a zero timeout would fail everything at once.
 Timeout = Annotated[Duration, Field(gt=0)]

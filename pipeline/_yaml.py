@@ -35,6 +35,15 @@ Loc = tuple[str | int, ...]
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
+#: The largest spec file read: a pipeline spec is a few KiB, and a device or a huge file
+#: given by mistake must not be read whole.
+MAX_FILE_BYTES = 4 * 1024 * 1024
+
+#: The most nodes a document may expand to, aliases counted each time they are used: a
+#: spec has hundreds, while nested aliases ("billion laughs") can name billions in a few
+#: lines, which walking or sending to workers would take for ever.
+MAX_NODES = 100_000
+
 
 @dataclass(slots=True, frozen=True)
 class YamlDocument:
@@ -91,7 +100,7 @@ def read_yaml_file(path: str | os.PathLike[str]) -> YamlDocument:
     source = os.fspath(path)
     try:
         with open(source, encoding="utf-8") as f:
-            text = f.read()
+            text = f.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError as e:
         raise ConfigError("file not found", file=source) from e
     except IsADirectoryError as e:
@@ -100,6 +109,11 @@ def read_yaml_file(path: str | os.PathLike[str]) -> YamlDocument:
         raise ConfigError(f"not UTF-8 text ({e.reason} at byte {e.start})", file=source) from e
     except OSError as e:
         raise ConfigError(f"cannot read file: {e.strerror or e}", file=source) from e
+    if len(text) > MAX_FILE_BYTES:
+        raise ConfigError(
+            f"larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB: not a pipeline spec",
+            file=source,
+        )
     return parse_yaml(text, source=source)
 
 
@@ -139,6 +153,11 @@ def parse_yaml(text: str, *, source: str = "<string>") -> YamlDocument:
         raise _yaml_error(e, source) from e
     except yaml.YAMLError as e:
         raise ConfigError(f"invalid YAML: {' '.join(str(e).split())}", file=source) from e
+    except RecursionError as e:
+        # The parser and the walk recurse once per level of nesting.
+        raise ConfigError(
+            "nested too deeply (hundreds of levels): not a pipeline spec", file=source
+        ) from e
     finally:
         loader.dispose()
 
@@ -146,16 +165,30 @@ def parse_yaml(text: str, *, source: str = "<string>") -> YamlDocument:
 class _Walker:
     """Records the line of every node and refuses duplicate keys, before construction."""
 
-    __slots__ = ("_active", "_doc", "_loader")
+    __slots__ = ("_active", "_doc", "_loader", "_walked")
 
     def __init__(self, loader: yaml.SafeLoader, doc: YamlDocument) -> None:
         self._loader = loader
         self._doc = doc
         # Anchors can make a node its own descendant; this guards the recursion.
         self._active: set[int] = set()
+        self._walked = 0
 
     def walk(self, node: yaml.Node, path: Loc) -> None:
-        """Record ``node`` at ``path`` and everything beneath it."""
+        """Record ``node`` at ``path`` and everything beneath it.
+
+        Raises:
+            ConfigError: a duplicate key, or more than :data:`MAX_NODES` nodes in all.
+        """
+        self._walked += 1
+        if self._walked > MAX_NODES:
+            raise ConfigError(
+                f"the document expands to more than {MAX_NODES:,} values (aliases of "
+                "aliases?): not a pipeline spec",
+                file=self._doc.source,
+                path=".".join(str(p) for p in path) or None,
+                line=node.start_mark.line + 1,
+            )
         self._doc.value_lines.setdefault(path, node.start_mark.line + 1)
         if id(node) in self._active:
             return

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from pipeline import Context, Outputs, Stage, Stream
 from stages.text import Text, Token
@@ -475,3 +475,18 @@ class LeftThenRight(Stage):
         lefts = [t.value async for t in left]
         rights = [t.value async for t in right]
         return Text(f"{len(lefts)}/{len(rights)}")
+
+
+class ExplodingParams(Stage):
+    """Its Params validator raises something other than a validation error."""
+
+    class Params(BaseModel):
+        size: int = 1
+
+        @field_validator("size")
+        @classmethod
+        def _explode(cls, value: int) -> int:
+            raise RuntimeError("validator exploded")
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        return text

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from pipeline import ConfigError, Context, Pipeline, Stage, Stream
+from pipeline._signature import build_plan
 from stages.text import Text, Token
 from tests.pipeline.conftest import spec
 
@@ -185,3 +186,10 @@ def test_yaml_errors_carry_file_and_line(tmp_path: object) -> None:
         Pipeline.from_yaml(path)
     assert str(info.value).startswith(str(path))
     assert "edge a->b" in str(info.value)
+
+
+def test_a_params_validator_that_raises_anything_is_a_config_error() -> None:
+    s = spec({"x": {"impl": ":ExplodingParams", "params": {"size": 2}}}, [])
+    with pytest.raises(ConfigError, match=r"ExplodingParams\.Params raised RuntimeError") as info:
+        build_plan(s)
+    assert info.value.path == "stages.x.params"
