@@ -26,6 +26,7 @@ import re
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ import msgspec
 import structlog
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline import _collector
@@ -65,6 +67,10 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_START = 3
 EXIT_INTERRUPTED = 130
+
+#: The most requests (or requests in flight) ``run`` takes: more than any batch needs, and
+#: within what ``itertools.islice`` accepts.
+MAX_COUNT = 2**31
 
 
 def _json_default(obj: Any) -> Any:
@@ -104,9 +110,11 @@ def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
                 f"{args.input_file}: not UTF-8 text (byte {exc.start}): give JSON lines",
                 EXIT_CONFIG,
             ) from exc
+        # Lines end at "\n" only (and a "\r" before it): str.splitlines would also split at
+        # U+2028, U+2029 and U+0085, which JSON allows raw inside a string.
         lines = [
-            (f"{args.input_file}:{n}", line)
-            for n, line in enumerate(text.splitlines(), 1)
+            (f"{args.input_file}:{n}", line.removesuffix("\r"))
+            for n, line in enumerate(text.split("\n"), 1)
             if line.strip()
         ]
     else:
@@ -179,7 +187,7 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
     """
     workers = sum(s.replicas for s in pipe.spec.stages.values())
     if not args.external_workers:
-        with console.status(f"starting {pipe.spec.name}: {workers} workers"):
+        with console.status(f"starting {escape(pipe.spec.name)}: {workers} workers"):
             try:
                 await pipe.start()
             except PipelineError as exc:
@@ -211,7 +219,8 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
                 missing = pipe.waiting_for() if listening else []
                 if missing:
                     status.update(
-                        f"waiting for {len(missing)} of {workers} workers: {', '.join(missing)}"
+                        f"waiting for {len(missing)} of {workers} workers: "
+                        + escape(", ".join(missing))
                     )
             await starting
         except PipelineError as exc:
@@ -263,7 +272,9 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
                     progress.advance(task)
 
             t1 = time.perf_counter()
-            await asyncio.gather(*(client() for _ in range(max(1, args.concurrency))))
+            # No more clients than requests: the others would find the queue empty.
+            clients = max(1, min(args.concurrency, total))
+            await asyncio.gather(*(client() for _ in range(clients)))
             elapsed = time.perf_counter() - t1
         stats = await pipe.statistics()
     finally:
@@ -279,11 +290,11 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         console.print(table)
     console.print(
         f"{total - len(failures)}/{total} requests ok in {elapsed:.2f}s "
-        f"({total / elapsed:.0f} req/s at concurrency {args.concurrency}); "
+        f"({total / elapsed:.0f} req/s at concurrency {clients}); "
         f"workers started in {started:.2f}s"
     )
     for line in failures[:5]:
-        console.print(f"[red]failed[/red] {line}")
+        console.print(f"[red]failed[/red] {escape(line)}")
     for text in tracebacks:
         console.print(f"stage traceback:\n{text}", highlight=False, markup=False)
     return EXIT_FAILED if failures else 0
@@ -295,7 +306,8 @@ async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console)
     With ``field``, each chunk's attribute of that name is written inline (a text delta);
     without, each chunk is a JSON line.
     """
-    console.print(f"[bold]streaming one request[/bold] ({'field ' + field if field else 'chunks'})")
+    what = escape(f"field {field}" if field else "chunks")
+    console.print(f"[bold]streaming one request[/bold] ({what})")
     try:
         async for chunk in pipe.stream(value):
             if field:
@@ -306,7 +318,7 @@ async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console)
                 sys.stdout.write(to_json(chunk).decode() + "\n")
             sys.stdout.flush()
     except PipelineError as exc:
-        console.print(f"[red]streamed request failed:[/red] {exc}")
+        console.print(f"[red]streamed request failed:[/red] {escape(str(exc))}")
     if field:
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -363,6 +375,11 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
         raise _Fail(
             f"--timeout must be a positive number of seconds, not {args.timeout:g}", EXIT_CONFIG
         )
+    from pipeline._worker import master_endpoint_problem
+
+    problem = master_endpoint_problem(args.master)
+    if problem is not None:
+        raise _Fail(f"--master {args.master!r} {problem}", EXIT_CONFIG)
     if args.device is not None:
         # Checked here too, so that its error names --device and not --master.
         try:
@@ -386,6 +403,7 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
 
     loop.add_signal_handler(signal.SIGINT, interrupt)
     deadline = loop.time() + args.timeout
+    answered = False
     try:
         # Connecting has its own bound, and says so: no master answered, or it refused.
         async with Pipeline.connect(
@@ -394,13 +412,17 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
             keys=keys.directory if keys else None,
             device=args.device,
         ) as pipe:
+            answered = True
             async with asyncio.timeout_at(deadline):
                 if pipe.source_type is not Any:
                     try:
                         value = msgspec.json.decode(args.input, type=pipe.source_type)
                     except msgspec.ValidationError as exc:
+                        # The user's own input, refused before it is sent: exit code 2.
                         name = getattr(pipe.source_type, "__name__", "the source's type")
-                        raise PayloadError(f"the input is not a valid {name}: {exc}") from None
+                        raise _Fail(
+                            f"PayloadError: --input is not a valid {name}: {exc}", EXIT_CONFIG
+                        ) from None
                 async with pipe.stream(value) as stream:
                     async for chunk in stream:
                         out = chunk.value if isinstance(chunk, SinkOutput) else chunk
@@ -411,24 +433,37 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
         if not interrupted:
             raise
         # Leaving the stream and the client cancelled the request at the master.
-        console.print("interrupted: the request was cancelled")
+        console.print("interrupted: the request was cancelled", markup=False)
         return EXIT_INTERRUPTED
-    except TimeoutError:
-        raise _Fail(
-            f"the request did not end within {args.timeout:g}s (the master at {args.master} "
-            "is slow, or stopped answering); --timeout waits longer",
-            EXIT_START,
-        ) from None
-    except MasterUnavailable as exc:
-        raise _Fail(str(exc), EXIT_START) from None
-    except PayloadError as exc:
-        raise _Fail(f"PayloadError: {exc}", EXIT_CONFIG) from None
-    except ConfigError as exc:
-        raise _Fail(f"--master {args.master!r}: {exc}", EXIT_CONFIG) from None
-    except PipelineError as exc:
-        raise _Fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED) from None
+    except (TimeoutError, PipelineError) as exc:
+        raise _submit_failure(exc, args.master, args.timeout, answered=answered) from None
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+
+
+def _submit_failure(
+    exc: TimeoutError | PipelineError, master: str, timeout: float, *, answered: bool
+) -> _Fail:
+    """The one-line error and exit code of a ``submit`` that failed with ``exc``.
+
+    A request the pipeline failed, or one that did not end in time once the master had
+    answered, is exit code 1; exit code 3 when no master answered at ``master``, or it went
+    away (:class:`MasterUnavailable`); exit code 2 for an endpoint (or keys) that cannot
+    work. The user's own bad ``--input`` is refused (exit code 2) before any of this.
+    """
+    if isinstance(exc, TimeoutError):
+        if not answered:
+            return _Fail(f"no master answered at {master} within {timeout:g}s", EXIT_START)
+        return _Fail(
+            f"the request did not end within {timeout:g}s (the master at {master} is slow, "
+            "or stopped answering); --timeout waits longer",
+            EXIT_FAILED,
+        )
+    if isinstance(exc, MasterUnavailable):
+        return _Fail(str(exc), EXIT_START)
+    if isinstance(exc, ConfigError) and not answered:
+        return _Fail(f"--master {master!r}: {exc}", EXIT_CONFIG)
+    return _Fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
 
 
 def _keys(args: argparse.Namespace, console: Console) -> int:
@@ -445,6 +480,7 @@ def _keys(args: argparse.Namespace, console: Console) -> int:
         f"submit ... --keys {directory}`, or master.keys in the YAML, or {KEYS_ENV}; copy the "
         "directory to other hosts over a channel you trust.",
         highlight=False,
+        markup=False,
         soft_wrap=True,
     )
     return 0
@@ -458,7 +494,9 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
     spec = pipe.spec
     console.print(
         f"{args.config}: ok: pipeline {spec.name!r}, {len(spec.stages)} stages, "
-        f"{len(spec.edges)} edges, sources {pipe.plan.sources}, sinks {pipe.plan.sinks}"
+        f"{len(spec.edges)} edges, sources {pipe.plan.sources}, sinks {pipe.plan.sinks}",
+        markup=False,
+        highlight=False,
     )
     return 0
 
@@ -488,9 +526,14 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--input", help="one input as JSON")
     group.add_argument("--input-file", help="inputs as JSON lines")
     run.add_argument(
-        "--requests", type=_count(0), default=0, help="requests to send (cycles inputs)"
+        "--requests",
+        type=_count(0, MAX_COUNT),
+        default=0,
+        help="requests to send (cycles inputs)",
     )
-    run.add_argument("--concurrency", type=_count(1), default=8, help="requests in flight")
+    run.add_argument(
+        "--concurrency", type=_count(1, MAX_COUNT), default=8, help="requests in flight"
+    )
     run.add_argument("--print-outputs", action="store_true", help="print every output")
     run.add_argument(
         "--external-workers",
@@ -564,8 +607,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _count(least: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``least``."""
+def _count(least: int, most: int) -> Callable[[str], int]:
+    """An argparse type: an integer from ``least`` to ``most``."""
 
     def parse(text: str) -> int:
         try:
@@ -574,6 +617,8 @@ def _count(least: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < least:
             raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        if value > most:
+            raise argparse.ArgumentTypeError(f"{value} is above {most}")
         return value
 
     return parse
@@ -582,6 +627,20 @@ def _count(least: int) -> Callable[[str], int]:
 def _one_line(message: str) -> str:
     """An error message on one line (a stage's multi-line error, say)."""
     return re.sub(r"\s*\n\s*", " | ", message.strip())
+
+
+def _report_error(console: Console, exc: BaseException, code: int, *, debug: bool) -> int:
+    """Print ``exc`` as one line (after its traceback, with ``--debug``); returns ``code``.
+
+    The traceback is shown, not re-raised, so that ``--debug`` keeps the exit code.
+    """
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+        sys.stderr.flush()
+    console.print(
+        f"[red]error:[/red] {escape(_one_line(str(exc)))}", highlight=False, soft_wrap=True
+    )
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -615,14 +674,9 @@ def main(argv: list[str] | None = None) -> int:
             cause = exc.__cause__
             if isinstance(cause, PipelineError) and cause.traceback:
                 console.print(f"stage traceback:\n{cause.traceback}", highlight=False, markup=False)
-            raise
-        console.print(f"[red]error:[/red] {_one_line(str(exc))}", highlight=False, soft_wrap=True)
-        return exc.code
+        return _report_error(console, exc, exc.code, debug=args.debug)
     except PayloadError as exc:
-        if args.debug:
-            raise
-        console.print(f"[red]error:[/red] {_one_line(str(exc))}", highlight=False, soft_wrap=True)
-        return EXIT_CONFIG
+        return _report_error(console, exc, EXIT_CONFIG, debug=args.debug)
     except KeyboardInterrupt:
         console.print("interrupted")
         return EXIT_INTERRUPTED

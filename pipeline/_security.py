@@ -80,6 +80,10 @@ def make_keys(directory: str | os.PathLike[str], *, force: bool = False) -> Path
         ConfigError: a key pair is already there (``force`` replaces it), the directory
             cannot be written, or other users may write it.
     """
+    if not os.fspath(directory):
+        # Path("") is the current directory: an empty argument (an unset shell variable,
+        # say) would scatter a key pair there.
+        raise ConfigError("the key pair's directory is empty: name one, such as ./keys")
     if not zmq.has("curve"):
         raise ConfigError("this ZeroMQ build has no CURVE support; install pyzmq's wheel")
     path = Path(directory)

@@ -32,7 +32,13 @@ from pipeline._config import PipelineSpec
 from pipeline._devices import check_device, visible_devices
 from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import ConfigError, FailureInfo, TransportError, format_traceback
-from pipeline._host import address_toward, host_identity, is_wildcard, tcp_endpoint
+from pipeline._host import (
+    address_toward,
+    host_identity,
+    is_wildcard,
+    split_endpoint,
+    tcp_endpoint,
+)
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._logging import configure_logging, count_dropped
 from pipeline._messages import (
@@ -458,14 +464,35 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def master_endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with ``endpoint`` as a master's address to connect to; None if nothing.
+
+    It must be ``tcp://HOST:PORT`` (a host to reach, not a wildcard; a port from 1 to
+    65535) or ``ipc://PATH``: ZeroMQ itself fails a malformed one with a traceback, or
+    waits on it forever.
+    """
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return None
+    parts = split_endpoint(endpoint)
+    if parts is None:
+        return "is not a control endpoint (tcp://HOST:PORT)"
+    host, port = parts
+    if not host or is_wildcard(host):
+        return "names no host to reach: give the master's address, such as tcp://10.0.0.5:7600"
+    if not 0 < port < 65536:
+        return f"has port {port}, outside 1-65535"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a worker from command-line arguments; returns the exit code."""
     # Off while the stage imports and sets up; on again, frozen, before it serves.
     _collector.pause()
     p = parser()
     args = p.parse_args(argv)
-    if not args.master.startswith(("tcp://", "ipc://")):
-        p.error(f"--master {args.master!r} is not a control endpoint (tcp://HOST:PORT)")
+    problem = master_endpoint_problem(args.master)
+    if problem is not None:
+        p.error(f"--master {args.master!r} {problem}")
     if args.bind_host is not None and is_wildcard(args.bind_host):
         p.error(
             f"--bind-host {args.bind_host!r} binds every interface, but peers are told the "

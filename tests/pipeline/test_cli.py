@@ -222,3 +222,132 @@ def test_version_names_the_installed_distribution() -> None:
     res = _run("--version")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"stagewire {version('stagewire')}"
+
+
+def _echo_config(tmp_path: Path, name: str = "echo") -> Path:
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(
+        f"name: {json.dumps(name)}\nstages:\n  e: {{impl: 'tests.pipeline.sample_stages:Echo'}}\n"
+    )
+    return cfg
+
+
+def test_untrusted_text_is_printed_literally_not_as_rich_markup(tmp_path: Path) -> None:
+    """Names, paths and error messages that look like rich markup are printed as written:
+    a name "[/x]" neither crashes validate nor is "[bold]big" turned into "big"."""
+    for name in ("[/x]", "[bold]big"):
+        res = _run("validate", str(_echo_config(tmp_path, name)), timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert f"pipeline {name!r}" in res.stderr, res.stderr
+    missing = tmp_path / "[bold]x.yaml"
+    res = _run("validate", str(missing), timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert f"error: {missing}: file not found" in res.stderr, res.stderr
+    failed = _run("run", str(_echo_config(tmp_path)), "--input", '{"value": "boom [/x]"}')
+    assert failed.returncode == 1, failed.stderr
+    assert "cannot echo 'boom [/x]'" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_debug_keeps_the_exit_code(tmp_path: Path) -> None:
+    """--debug prints the traceback and still exits with the error's own code (2 for a bad
+    file), not the 1 of an uncaught exception."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  a: {impl: 'stages.text:Split', replicas: two}\n")
+    res = _run("--debug", "validate", str(bad), timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" in res.stderr and "ConfigError" in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(f"error: {bad}:2:")
+
+
+def test_submit_failures_map_to_their_exit_codes() -> None:
+    """A request the pipeline failed (a stage's PayloadError, a timeout once the master
+    answered) is exit code 1; 3 only when no master answered, or it went away."""
+    from pipeline._cli import EXIT_CONFIG, EXIT_FAILED, EXIT_START, _submit_failure
+    from pipeline._errors import ConfigError, MasterUnavailable, PayloadError, StageError
+
+    master = "tcp://127.0.0.1:7600"
+    cases = [
+        (PayloadError("relay: Token is not a Text"), True, EXIT_FAILED),
+        (StageError("relay", "r1", "refused 'boom'"), True, EXIT_FAILED),
+        (TimeoutError(), True, EXIT_FAILED),
+        (MasterUnavailable(master, "it went away"), True, EXIT_START),
+        (TimeoutError(), False, EXIT_START),
+        (MasterUnavailable(master, "no answer"), False, EXIT_START),
+        (ConfigError("not a ZMQ endpoint"), False, EXIT_CONFIG),
+    ]
+    for exc, answered, code in cases:
+        fail = _submit_failure(exc, master, 5.0, answered=answered)
+        assert fail.code == code, (exc, answered)
+        assert "\n" not in str(fail)
+
+
+def test_input_file_lines_end_at_newlines_only(tmp_path: Path) -> None:
+    """A JSON line holding a raw U+2028, U+2029 or U+0085 in a string (which JSON allows)
+    is one input, and a line ending "\\r\\n" is read without its "\\r"."""
+    inputs = tmp_path / "in.jsonl"
+    values = ["a\u2028b", "c\u2029d", "e\u0085f"]
+    inputs.write_text(
+        "".join(json.dumps({"value": v}, ensure_ascii=False) + "\r\n" for v in values),
+        encoding="utf-8",
+        newline="",
+    )
+    res = _run("run", str(_echo_config(tmp_path)), "--input-file", str(inputs))
+    assert res.returncode == 0, res.stderr
+    assert "3/3 requests ok" in res.stderr
+    outputs = [json.loads(line.partition(": ")[2])["value"] for line in res.stdout.split("\n")[:3]]
+    assert outputs == values
+
+
+def test_counts_beyond_the_maximum_are_usage_errors(tmp_path: Path) -> None:
+    """A request count past 2**31 is refused by the argument parser (exit 2, one error line,
+    nothing started), not an islice traceback after the workers started."""
+    for flag in ("--requests", "--concurrency"):
+        res = _run("run", str(_echo_config(tmp_path)), "--input", '{"value": "a"}',
+                   flag, "99999999999999999999", timeout=60)  # fmt: skip
+        assert res.returncode == 2, res.stderr
+        errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+        assert errors == [
+            f"stagewire run: error: argument {flag}: 99999999999999999999 is above 2147483648"
+        ], res.stderr
+        assert "Traceback" not in res.stderr
+
+
+def test_concurrency_is_at_most_the_number_of_requests(tmp_path: Path) -> None:
+    """--concurrency above the request count starts one client per request, no more."""
+    res = _run("run", str(_echo_config(tmp_path)), "--input", '{"value": "a"}',
+               "--requests", "2", "--concurrency", "50")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "2/2 requests ok" in res.stderr and "at concurrency 2)" in res.stderr
+
+
+def test_keys_refuses_an_empty_directory(tmp_path: Path) -> None:
+    """``stagewire keys ''`` exits 2 with one line and writes nothing into the current
+    directory (Path('') is the current directory)."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pipeline", "keys", ""],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert (
+        res.stderr.strip() == "error: the key pair's directory is empty: name one, such as ./keys"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["tcp://127.0.0.1", "tcp://", "tcp://*:7600", "tcp://:7600", "tcp://127.0.0.1:99999",
+     "tcp://127.0.0.1:0", "ipc://"],
+)  # fmt: skip
+def test_malformed_master_endpoints_are_usage_errors(endpoint: str) -> None:
+    """A master endpoint with no port, no host, a wildcard host or a port out of range fails
+    worker and submit at once with exit 2 and one error line (not a ZMQ traceback, nor a
+    wait that never ends)."""
+    for args in (("worker", "--master", endpoint, "--stage", "split"),
+                 ("submit", "--master", endpoint, "--input", '{"value": "a"}')):  # fmt: skip
+        res = _run(*args, timeout=30)
+        assert res.returncode == 2, (args, res.stderr)
+        errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+        assert len(errors) == 1 and f"--master {endpoint!r}" in errors[0], (args, res.stderr)
+        assert "Traceback" not in res.stderr, (args, res.stderr)
