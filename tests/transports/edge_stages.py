@@ -68,7 +68,10 @@ class Alternate(Stage):
             size = params.sizes[seq % len(params.sizes)]
             yield Piece(seq, np.full(size, pattern(seq), np.uint8))
             if seq == 1 and params.second_sent:
-                await asyncio.sleep(0.2)  # loop turns enough for the queued chunk to leave
+                # The chunk leaves in the outbox's flush, which the loop runs before it
+                # resumes this: a few turns are plenty (a same-host link writes at once).
+                for _ in range(3):
+                    await asyncio.sleep(0)
                 await asyncio.to_thread(Path(params.second_sent).touch)
 
 
