@@ -346,10 +346,11 @@ class StageActor:
         try:
             self._on_frames(frames)
         finally:
+            # Even if filing failed part-way: a request marked started must start.
             self._starting = None
-        for req in starting:
-            if self._requests.get(req.request_id) is req:  # not aborted in that message
-                self._start(req, eager=True)
+            for req in starting:
+                if self._requests.get(req.request_id) is req:  # not aborted in that message
+                    self._start(req, eager=True)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         for frame in frames:
