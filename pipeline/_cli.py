@@ -308,12 +308,18 @@ async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console)
     """
     what = escape(f"field {field}" if field else "chunks")
     console.print(f"[bold]streaming one request[/bold] ({what})")
+    found = False
+    fields: set[str] = set()
     try:
         async for chunk in pipe.stream(value):
             if field:
                 piece = getattr(chunk, field, None)
-                if isinstance(piece, str) and piece:
-                    sys.stdout.write(piece)
+                if isinstance(piece, str):
+                    found = True
+                    if piece:
+                        sys.stdout.write(piece)
+                else:
+                    fields.update(getattr(chunk, "__struct_fields__", ()))
             else:
                 sys.stdout.write(to_json(chunk).decode() + "\n")
             sys.stdout.flush()
@@ -322,6 +328,11 @@ async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console)
     if field:
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if not found and fields:
+            console.print(
+                f"[yellow]no streamed chunk has a text field {escape(field)!r}[/yellow]; "
+                f"theirs: {escape(', '.join(sorted(fields)))}"
+            )
 
 
 async def _master(args: argparse.Namespace, console: Console) -> int:

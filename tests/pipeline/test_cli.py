@@ -351,3 +351,14 @@ def test_malformed_master_endpoints_are_usage_errors(endpoint: str) -> None:
         errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
         assert len(errors) == 1 and f"--master {endpoint!r}" in errors[0], (args, res.stderr)
         assert "Traceback" not in res.stderr, (args, res.stderr)
+
+
+def test_show_stream_names_the_fields_when_none_is_the_one_asked(tmp_path: Path) -> None:
+    """--show-stream with a field no chunk has says so and lists theirs (it printed
+    nothing, silently)."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("stages:\n  tokens: {impl: 'tests.pipeline.sample_stages:Tokens'}\nedges: []\n")
+    res = _run("run", str(cfg), "--input", '{"value": "a b"}', "--show-stream", "nosuch")
+    assert res.returncode == 0, res.stderr
+    assert "no streamed chunk has a text field 'nosuch'" in res.stderr
+    assert "theirs: index, value" in res.stderr
