@@ -128,8 +128,9 @@ class DefaultsSpec(_Spec):
     larger than this still goes, alone. Whichever of the two limits comes first holds."""
     max_inflight: Count = 1024
     """Requests the orchestrator admits at once."""
-    heartbeat_interval: Timeout = 1.0
-    """How often workers report that they are alive."""
+    heartbeat_interval: Annotated[Timeout, Field(ge=0.01)] = 1.0
+    """How often workers report that they are alive; at least 10 ms (a beat every few
+    microseconds would keep every process busy with beats, and declare them dead)."""
     # Checked against the interval even when left at its default: an interval given alone
     # may exceed it, and every process that reads the spec must refuse that alike.
     heartbeat_timeout: Annotated[Timeout, Field(validate_default=True)] = 5.0

@@ -116,3 +116,19 @@ def test_a_transport_error_names_its_field_and_line(
     with pytest.raises(ConfigError) as info:
         Pipeline.from_yaml(path)
     assert (info.value.path, info.value.line) == where, name
+
+
+def test_a_heartbeat_faster_than_ten_milliseconds_is_refused() -> None:
+    """``heartbeat_interval: 1ns`` (with a timeout of 2ns) passed, and every request then
+    failed: no replica was ever ready."""
+    from pipeline._config import PipelineSpec
+
+    data = {
+        "name": "p",
+        "defaults": {"heartbeat_interval": "1ns", "heartbeat_timeout": "2ns"},
+        "stages": {"a": {"impl": "stages.text:Split"}},
+        "edges": [],
+    }
+    with pytest.raises(ConfigError) as info:
+        PipelineSpec.from_dict(data)
+    assert info.value.path == "defaults.heartbeat_interval"
