@@ -751,7 +751,11 @@ async def test_head_of_line(
     monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], sizes: list[int], interleaved: bool
 ) -> None:
     """Payloads fetched while a 64 MiB transfer is in flight complete long before it does
-    (p99 under half its time), unless the big payload goes as one frame on the same lane."""
+    (their median under a quarter of its time), unless the big payload goes as one frame on
+    the same lane (then the slowest waits more than half of it). The median, not the p99,
+    for the interleaved lanes: of a dozen fetches the p99 is the slowest, which one
+    scheduling hiccup of this small VM can hold (11.8 ms against a 22 ms transfer once,
+    where the median stays near 1 ms)."""
     if not interleaved:
         monkeypatch.setattr("transports._network_wire.EXPRESS", 0)
     big, latencies = await _small_fetches_during_big(options, sizes)
@@ -763,7 +767,7 @@ async def test_head_of_line(
     )
     if interleaved:
         assert len(latencies) >= 4, f"only {len(latencies)} fetches overlapped the transfer"
-        assert p99 < big / 2
+        assert p50 < big / 4
     else:
         assert p99 > big / 2
 
