@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from pipeline import Context, Stage, Stream
 from stages.text import Text
+from tests.pipeline.conftest import wait_for
 
 
 class Piece(msgspec.Struct):
@@ -32,15 +33,6 @@ class Piece(msgspec.Struct):
 def pattern(seq: int) -> int:
     """The byte every element of chunk ``seq`` holds."""
     return (seq * 37 + 11) % 251
-
-
-async def _file_made(path: Path, timeout: float) -> None:
-    """Wait until another process has made ``path``: nothing announces it, so poll."""
-    async with asyncio.timeout(timeout):
-        while True:
-            if await asyncio.to_thread(path.exists):
-                return
-            await asyncio.sleep(0.01)
 
 
 class Alternate(Stage):
@@ -64,7 +56,8 @@ class Alternate(Stage):
         count = int(text.value) if text.value else params.count
         for seq in range(count):
             if seq == 1 and params.second_after:
-                await _file_made(Path(params.second_after), 30)
+                # Another process makes it and nothing announces it: the tests' shared poll.
+                await wait_for(Path(params.second_after).exists, 30, interval=0.01)
             size = params.sizes[seq % len(params.sizes)]
             yield Piece(seq, np.full(size, pattern(seq), np.uint8))
             if seq == 1 and params.second_sent:
