@@ -38,8 +38,6 @@ class Batcher:
         self._task: asyncio.Task[None] | None = None
         self.batches = 0
         self.items = 0
-        #: Batches run again without the requests aborted while they ran.
-        self.reruns = 0
 
     async def submit(self, value: Any, ctx: Context) -> Any:
         """Queue one input and wait for its output.
@@ -105,12 +103,10 @@ class Batcher:
                 task = asyncio.current_task()
                 if task is None or task.cancelling():
                     raise  # the batcher is closing, and the replica cancels its requests
-                live = [e for e in batch if not e[1].cancelled and not e[2].done()]
-                if len(live) < len(batch) and any(e[1].cancelled for e in batch):
+                if any(e[1].cancelled for e in batch):
                     # A request aborted meanwhile stopped the batch (ctx.checkpoint()): the
                     # others run again without it.
-                    self.reruns += 1
-                    batch = live
+                    batch = [e for e in batch if not e[1].cancelled and not e[2].done()]
                     continue
                 # Something process_batch awaited was cancelled, not the batcher: only this
                 # batch fails, the next one runs.

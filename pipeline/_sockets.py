@@ -265,9 +265,9 @@ class Outbox:
     and system-call costs once per batch instead of once per chunk, and a single chunk
     waits at most one loop turn.
 
-    A process that has just read a frame calls :meth:`flush_soon`: the tasks that frame
-    woke run in the next loop turn, and what they send leaves at the end of that same turn
-    instead of one turn later.
+    A process that has just read a frame flushes through :meth:`flushing_after`: at once
+    when the frame woke nothing, else with :meth:`flush_soon`, so that what the tasks it
+    woke send in the next loop turn leaves at the end of that same turn.
     """
 
     __slots__ = (
@@ -365,7 +365,9 @@ class Outbox:
     def flushing_after(
         self, on_message: Callable[[list[bytes]], None]
     ) -> Callable[[list[bytes]], None]:
-        """``on_message`` followed by :meth:`flush_soon`: what a data reader should call."""
+        """``on_message`` followed by a flush: at once when nothing else is ready to run
+        (the handlers it started have run to their ends or waits), else :meth:`flush_soon`,
+        behind the tasks it woke. What a data reader should call."""
 
         def handle(frames: list[bytes]) -> None:
             on_message(frames)
