@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +58,11 @@ log = structlog.get_logger("stagewire.actor")
 
 #: How many finished request ids a replica remembers, to discard their late chunks.
 FINISHED_MEMORY = 65536
+#: How many requests a replica keeps ready to tell the master it needs nothing here for
+#: (see :meth:`StageActor.take_released`); later ones go untold past that.
+RELEASED_MEMORY = 8192
+#: The most of them one heartbeat tells.
+RELEASED_PER_BEAT = 2048
 #: A handler that computed this long for one chunk, with no batch leaving meanwhile, is
 #: compute-bound: its chunks leave as they come (see :class:`_Pacer`).
 EAGER_SEND_S = 100e-6
@@ -208,6 +213,10 @@ class StageActor:
         #: once the whole message is filed.
         self._starting: list[_Request] | None = None
         self._finished: OrderedDict[str, None] = OrderedDict()
+        #: Requests whose handler ended here with every payload inside its envelopes, each
+        #: with the outbox flush count after which those envelopes have left; the heartbeat
+        #: thread takes them (:meth:`take_released`).
+        self._released: deque[tuple[str, int]] = deque()
         self._sem = asyncio.Semaphore(plan.spec.max_concurrency)
         self._streaming_out = plan.signature.streaming_output
         self._stream_params = frozenset(i.name for i in plan.signature.inputs if i.streaming)
@@ -546,7 +555,40 @@ class StageActor:
             # are released as they come.
             if self._requests.get(rid) is req:
                 req.task = None
+                self._note_released(rid)
                 self.forget(rid)
+
+    def _note_released(self, rid: str) -> None:
+        """The handler of ``rid`` ended: once what it sent has left, the request needs
+        nothing of this replica, unless a payload waits here to be read (shm, network,
+        cuda_ipc keep theirs in this process until their consumer takes them)."""
+        if len(self._released) >= RELEASED_MEMORY or any(
+            out.held_here(rid) for out in self._outputs.values()
+        ):
+            return  # (past the cap, the master is not hearing the heartbeats anyway)
+        outbox = self._outbox
+        needed = 0 if outbox is None else outbox.flushes + int(outbox.pending)
+        self._released.append((rid, needed))
+
+    def take_released(self) -> list[str]:
+        """Requests this replica is done with since the last call: their handlers ended and
+        everything they sent has left the process. A dead replica need not fail them.
+
+        Called from the heartbeat thread; only that thread takes from the queue.
+        """
+        released = self._released
+        outbox = self._outbox
+        flushes = outbox.flushes if outbox is not None else 0
+        if outbox is not None and outbox.backlogged:
+            return []
+        taken: list[str] = []
+        while released and len(taken) < RELEASED_PER_BEAT:
+            rid, needed = released[0]
+            if needed > flushes:
+                break
+            released.popleft()
+            taken.append(rid)
+        return taken
 
     def _handler_failed(self, req: _Request, exc: Exception) -> None:
         """Fail the request at the client (a StageError) and forget it here."""

@@ -333,6 +333,7 @@ class _Window:
         "acked",
         "allowed",
         "done",
+        "held",
         "in_flight",
         "next_seq",
         "reading",
@@ -357,6 +358,8 @@ class _Window:
         self.waiter: asyncio.Future[None] | None = None
         #: The run the next chunk may join, until the outbox seals it.
         self.run: _Run | None = None
+        #: A chunk went by a transport that keeps its payload here until read (not inline).
+        self.held = False
 
 
 class OutputChannel:
@@ -663,6 +666,8 @@ class OutputChannel:
     ) -> None:
         """Add chunk ``seq`` to the request's open run, or start a run and queue it."""
         self.chunks += 1
+        if name and name != "inline":
+            win.held = True
         win.sizes.append(nbytes)
         win.in_flight += nbytes
         run = win.run
@@ -733,6 +738,12 @@ class OutputChannel:
             gone = getattr(sender, "readers_gone", None)
             if gone is not None:
                 gone(endpoints)
+
+    def held_here(self, request_id: str) -> bool:
+        """Whether a chunk of ``request_id`` went by a transport that keeps its payload in
+        this process until read (shm, network, cuda_ipc), rather than inside its envelope."""
+        win = self._windows.get(request_id)
+        return win is not None and win.held
 
     def reader_stopped(self, request_id: str) -> bool:
         """Whether the consumer of ``request_id`` on this edge said it reads no more."""

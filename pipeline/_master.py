@@ -346,8 +346,10 @@ class Master:
             return
         rep.last_seen = time.monotonic()
         match msg:
-            case Heartbeat(inflight=inflight):
+            case Heartbeat(inflight=inflight, released=released):
                 rep.inflight = inflight
+                if released:
+                    self.orch.replica_released(rep.stage, rep.replica, released)
             case Ready():
                 rep.ready = True
                 self.orch.replica_ready(rep.stage, rep.replica)

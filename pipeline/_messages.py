@@ -193,11 +193,14 @@ class SetupFailed(_Msg, frozen=True, tag="setup_failed"):
 
 
 class Heartbeat(_Msg, frozen=True, tag="hb"):
-    """Liveness, both ways; ``inflight`` counts requests the sender holds."""
+    """Liveness, both ways; ``inflight`` counts requests the sender holds, ``released``
+    names requests a worker is done with since its last beat (see
+    ``StageActor.take_released``): its death need not fail them."""
 
     stage: str
     replica: int
     inflight: int = 0
+    released: tuple[str, ...] = ()
 
 
 class Failed(_Msg, frozen=True, tag="failed"):

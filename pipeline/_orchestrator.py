@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget, file_run
@@ -424,8 +424,20 @@ class Orchestrator:
         self.fail(rid, RequestAborted(rid, reason), outcome="aborted")
         return True
 
+    def replica_released(self, stage: str, replica: int, rids: Sequence[str]) -> None:
+        """A replica is done with ``rids``: their handlers ended there and nothing they sent
+        waits there to be read. Should it die now, they go on; they no longer count toward
+        its load either."""
+        view = self.replicas[stage].get(replica)
+        if view is not None:
+            view.requests.difference_update(rids)
+
     def replica_lost(self, stage: str, replica: int, why: str) -> int:
-        """Fail every request bound to a dead replica; how many."""
+        """Fail every request that still needs a dead replica; how many.
+
+        Those it has released (see :meth:`replica_released`) go on: a replica killed while
+        a long decode runs downstream fails no request it finished before its last beat.
+        """
         view = self.replicas[stage].get(replica)
         if view is None:
             return 0

@@ -29,7 +29,9 @@ def pulse_identity(control_identity: bytes) -> bytes:
 
 
 class Pulse:
-    """Sends ``Heartbeat`` every ``interval`` seconds until stopped."""
+    """Sends ``Heartbeat`` every ``interval`` seconds until stopped, with the requests
+    ``released`` names (taken from the loop's thread: it must be safe to call from this
+    one)."""
 
     def __init__(
         self,
@@ -40,6 +42,7 @@ class Pulse:
         replica: int,
         interval: float,
         inflight: Callable[[], int],
+        released: Callable[[], list[str]] | None = None,
     ) -> None:
         self._zctx = zctx
         self._master = master
@@ -48,6 +51,7 @@ class Pulse:
         self._replica = replica
         self._interval = interval
         self._inflight = inflight
+        self._released = released
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stagewire-pulse", daemon=True)
 
@@ -66,7 +70,8 @@ class Pulse:
             while not self._stopped.is_set():
                 # Reading an int another thread updates is safe under the GIL; a stale value
                 # only delays the master's view of the load by one beat.
-                beat = Heartbeat(self._stage, self._replica, self._inflight())
+                released = tuple(self._released()) if self._released is not None else ()
+                beat = Heartbeat(self._stage, self._replica, self._inflight(), released)
                 with contextlib.suppress(zmq.Again):
                     sock.send(_encode(beat), zmq.NOBLOCK)
                 self._stopped.wait(self._interval)

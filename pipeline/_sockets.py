@@ -279,6 +279,7 @@ class Outbox:
         "_loop",
         "_pending",
         "_socks",
+        "flushes",
     )
 
     def __init__(self, ctx: zmq.Context[Any], keys: CurveKeys | None = None) -> None:
@@ -292,6 +293,21 @@ class Outbox:
         #: Same-host link addresses by endpoint, and the links opened to them.
         self._local: dict[str, str] = {}
         self._links: dict[str, LocalLink] = {}
+        #: Flushes that sent something so far: what was queued before one left with it.
+        self.flushes = 0
+
+    @property
+    def pending(self) -> bool:
+        """Whether envelopes wait for the next flush."""
+        return bool(self._pending)
+
+    @property
+    def backlogged(self) -> bool:
+        """Whether a same-host link holds flushed frames its socket could not take yet.
+
+        Safe to read from another thread: it only reads.
+        """
+        return any(link.backlogged for link in list(self._links.values()))
 
     def set_local(self, endpoint: str, address: str) -> None:
         """Send to ``endpoint`` over a same-host link to ``address`` from now on."""
@@ -395,6 +411,7 @@ class Outbox:
             envelopes = [e if isinstance(e, bytes) else e.seal() for e in queued]
             for i in range(0, len(envelopes), MAX_FRAMES):
                 self._transmit(endpoint, encode_batch(envelopes[i : i + MAX_FRAMES]))
+        self.flushes += 1
 
     def _transmit(self, endpoint: str, frame: bytes) -> None:
         if self._local:

@@ -360,6 +360,7 @@ class _Worker:
             self.replica,
             interval,
             lambda: actor.inflight,
+            actor.take_released,
         )
         pulse.start()
         try:

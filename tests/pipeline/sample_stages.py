@@ -83,6 +83,20 @@ class Collect(Stage):
         return Text(" ".join(words))
 
 
+class Lingers(Stage):
+    """Joins its tokens, then works on for ``hold`` seconds: a long decode going on after
+    its input's producer has finished its part."""
+
+    class Params(BaseModel):
+        hold: float = 4.0
+
+    async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
+        assert isinstance(self.params, Lingers.Params)
+        words = [token.value async for token in tokens]
+        await asyncio.sleep(self.params.hold)
+        return Text(" ".join(words))
+
+
 class First(Stage):
     """Returns the first token of its stream, leaving the rest unread."""
 

@@ -7,10 +7,14 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+import zmq
+
 from pipeline._actor import StageActor
 from pipeline._channel import OutputChannel, SendTarget
 from pipeline._messages import FailureInfo, Peer, encode_batch
 from pipeline._signature import build_plan
+from pipeline._sockets import Outbox
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
 
@@ -95,3 +99,69 @@ async def test_a_message_that_readies_a_handler_runs_it_before_the_reader_return
     finally:
         await client.aclose()
         await actor.aclose()
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+async def test_a_request_is_released_once_what_it_sent_has_left_and_nothing_waits_here(
+    transport: str,
+) -> None:
+    """A replica tells the master (through its heartbeat's ``take_released``) that it is done
+    with a request only when its handler ended and the envelopes it sent have left the
+    process, and never when a payload waits in this process to be read (shm)."""
+    zctx: zmq.Context[Any] = zmq.Context()
+    outbox = Outbox(zctx)
+    # The edge under test is echo -> next: edges to and from the client are always inline.
+    plan = build_plan(
+        spec({"echo": ":Echo", "next": ":Echo"}, [("echo", "next")], transport=transport)
+    )
+    stage = plan.stages["echo"]
+    instance = stage.signature.cls(
+        params=stage.params, name="echo", replica=0, device=stage.spec.device
+    )
+    reported: list[FailureInfo] = []
+    actor = StageActor(
+        stage,
+        instance,
+        replica=0,
+        host="h",
+        endpoint="inproc://echo",
+        send=outbox.send,
+        report_failure=reported.append,
+        outbox=outbox,
+    )
+    peers = {"echo": {0: Peer("inproc://echo", "h")}, "next": {0: Peer("inproc://next", "h")}}
+    actor.set_peers(peers, Peer("inproc://client", "h"))
+    sent: list[Any] = []
+    client = OutputChannel(
+        stage.inputs["text"], host="h", endpoint="inproc://client", send=lambda _, r: sent.append(r)
+    )
+    try:
+        actor.admit("r1", {"echo": 0, "next": 0})
+        await client.send(
+            "r1", client.codec.encode(Text("hi")), True, SendTarget("inproc://echo", "h")
+        )
+        (run,) = sent
+        loop = asyncio.get_running_loop()
+        before: asyncio.Future[tuple[int, bool, list[str]]] = loop.create_future()
+
+        def read() -> None:  # as a socket reader calls it, but with no flush after it
+            actor.on_data([encode_batch([run.seal()])])
+            before.set_result((actor.inflight, outbox.pending, actor.take_released()))
+
+        loop.call_soon(read)
+        inflight, pending, released = await asyncio.wait_for(before, 5)
+        if transport == "inline":
+            # The handler ended within the read, its output queued, not yet sent.
+            assert (inflight, pending, released) == (0, True, []), reported
+        else:
+            assert released == []  # an shm put waits for the loop: the handler runs on
+        await wait_for(lambda: not actor.inflight, 5)
+        assert actor.counts["completed"] == 1, reported
+        outbox.flush()
+        assert actor.take_released() == (["r1"] if transport == "inline" else [])
+        assert actor.take_released() == []
+    finally:
+        await client.aclose()
+        await actor.aclose()
+        outbox.close()
+        zctx.term()

@@ -124,6 +124,32 @@ async def test_kill_9_worker_fails_only_its_requests() -> None:
         assert [o.value for o in outs] == [f"n{i}" for i in range(10)]
 
 
+async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_needing_it() -> None:
+    """kill -9 of a source replica fails the request it still serves, but not one whose part
+    it finished (its handler ended, its chunks left inside their envelopes, and its
+    heartbeat said so) while the sink still works on it: that one completes."""
+    s = spec(
+        {"src": ":Tokens", "sink": {"impl": ":Lingers", "params": {"hold": 4}}},
+        [("src", "sink")],
+        heartbeat_interval="50ms",
+    )
+    async with Pipeline(s) as pipe:
+        finished = asyncio.ensure_future(pipe.submit(Text("a b c")))
+        stalled = asyncio.ensure_future(pipe.submit(Text("x stall")))  # src never ends it
+        src = pipe._master_or_fail().orch.replicas["src"][0]
+
+        async def released() -> bool:
+            active = (await pipe.statistics())["client"]["active"]
+            return active == 2 and len(src.requests) == 1
+
+        await wait_for(released)
+        assert not finished.done()  # the sink still holds it
+        os.kill(pipe.worker_pids[("src", 0)], signal.SIGKILL)
+        with pytest.raises(StageUnavailable, match="src"):
+            await stalled
+        assert await finished == Text("a b c")
+
+
 async def test_garbage_on_sockets_is_dropped_and_counted() -> None:
     """Garbage on a worker's data port and the master's control port is counted, not fatal."""
     async with Pipeline(spec({"echo": ":Echo"}, [])) as pipe:
