@@ -35,6 +35,7 @@ from pipeline._keys import CLIENT
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._logging import count_dropped
 from pipeline._messages import (
+    CLOSING,
     MAX_CONTROL_MESSAGE,
     Abort,
     Admit,
@@ -79,6 +80,10 @@ from transports._registry import AUTO, resolve_transport
 __all__ = ("Master",)
 
 log = structlog.get_logger("stagewire.master")
+
+#: A replica heard from within this many heartbeat intervals is alive: a second worker
+#: registering for its slot is refused rather than let displace it.
+LIVE_WITHIN_BEATS = 2
 _decode = msgspec.msgpack.Decoder(ControlToMaster).decode
 
 
@@ -400,7 +405,24 @@ class Master:
             self.startup.fail(misplaced, ConfigError)
             return
         if old is not None and old.alive:
-            self.replica_lost(msg.stage, msg.replica, "was replaced by a new registration")
+            refusal = self._duplicate(old, msg)
+            if refusal is not None:
+                log.warning(
+                    "duplicate_replica_refused",
+                    stage=msg.stage,
+                    replica=msg.replica,
+                    pid=msg.pid,
+                    host=msg.host,
+                    holder=old.pid,
+                    holder_host=old.host,
+                )
+                self._send(identity, Shutdown(refusal))
+                return
+            # Its process is gone (a new one has its host and pid), or it has gone quiet:
+            # the newcomer takes the slot, and the old one, should it still run, is told.
+            why = f"was replaced by a new registration (pid {msg.pid} on host {msg.host!r})"
+            self._send(old.identity, Shutdown(f"stage {msg.stage!r} replica {msg.replica} {why}"))
+            self.replica_lost(msg.stage, msg.replica, why)
         self.replicas[key] = _Replica(
             msg.stage,
             msg.replica,
@@ -427,6 +449,22 @@ class Master:
         )
         self._send(identity, self._assignment(msg.stage, msg.replica))
         self._broadcast_peers(but=identity)
+
+    def _duplicate(self, old: _Replica, msg: Register) -> str | None:
+        """Why a registration for a live replica's slot is refused, if it is: the process
+        holding the slot was heard from within two heartbeats, and is not the newcomer's
+        predecessor (a process of the same host, pid namespace and pid must have ended).
+        """
+        if old.host == msg.host and old.pid == msg.pid and old.pidns == msg.pidns:
+            return None
+        silent = time.monotonic() - old.last_seen
+        if silent > LIVE_WITHIN_BEATS * self.spec.defaults.heartbeat_interval:
+            return None
+        return (
+            f"stage {msg.stage!r} replica {msg.replica} is already served, by pid {old.pid} on "
+            f"host {old.host!r} (heard from {silent:.1f}s ago); stop that worker first, or "
+            "start this one with another --replica"
+        )
 
     def _broadcast_peers(self, but: bytes = b"") -> None:
         """Send the peer table to every live replica (but ``but``, which has it)."""
@@ -592,7 +630,7 @@ class Master:
         self._closed = True
         for rep in self.replicas.values():
             if rep.alive:
-                self._send(rep.identity, Shutdown("pipeline closing"))
+                self._send(rep.identity, Shutdown(CLOSING))
         if self.orchestrator is not None:
             await self.orchestrator.aclose()
         for task in self._tasks:

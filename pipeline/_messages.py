@@ -14,6 +14,7 @@ from pipeline._encoded import Encoded
 from pipeline._errors import FailureInfo, PayloadError
 
 __all__ = (
+    "CLOSING",
     "MAX_CONTROL_MESSAGE",
     "NO_DESCRIPTOR",
     "WIRE_CODEC",
@@ -385,6 +386,10 @@ class StatsRequest(_Msg, frozen=True, tag="stats?"):
     """Ask for statistics; the reply carries the same token."""
 
     token: int
+
+
+#: The reason a master's ``Shutdown`` gives when the pipeline closes.
+CLOSING = "pipeline closing"
 
 
 class Shutdown(_Msg, frozen=True, tag="shutdown"):

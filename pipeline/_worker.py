@@ -42,6 +42,7 @@ from pipeline._host import (
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._logging import configure_logging, count_dropped
 from pipeline._messages import (
+    CLOSING,
     MAX_CONTROL_MESSAGE,
     Abort,
     Admit,
@@ -208,6 +209,9 @@ class _Worker:
                     stats["local_frames"] = self.local.frames
                 self.send_control(StatsReply(self.stage, self.replica, token, stats))
             case Shutdown(reason=reason):
+                if self.actor is not None and not self.stop.is_set() and reason != CLOSING:
+                    # Not the pipeline's end: say why this worker stops (it was replaced).
+                    log.warning("stopped_by_master", stage=self.stage, reason=reason)
                 self.stop.set()
                 if self.assignment is not None and not self.assignment.done():
                     # Refused before it was assigned anything (a misplaced or unknown replica).

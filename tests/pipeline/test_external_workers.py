@@ -226,6 +226,49 @@ async def test_a_worker_for_a_stage_the_pipeline_lacks_is_told_and_exits(tmp_pat
         kill_all(procs)
 
 
+async def test_a_second_worker_for_a_live_replica_is_refused_and_one_gone_quiet_is_replaced(
+    tmp_path: Path,
+) -> None:
+    """A worker started for a slot whose replica is alive (heard from within two heartbeats)
+    is refused, naming the holder, and exits 3; the holder serves on. Once the holder has
+    gone quiet (stopped here), a new worker takes its slot, and the old one, when it runs
+    again, is told so and exits saying why."""
+    config = tmp_path / "echo.yaml"
+    config.write_text(
+        "name: echo\n"
+        "defaults: {heartbeat_interval: 100ms, heartbeat_timeout: 30s}\n"
+        "stages:\n"
+        '  echo: {impl: "tests.pipeline.sample_stages:Echo"}\n'
+    )
+    master, procs = await _serving(config, tmp_path)
+    holder = procs[1]
+    try:
+        second = _start("worker", "--master", master, "--stage", "echo", "--headless",
+                        "--connect-timeout", "60", err=tmp_path / "second.err")  # fmt: skip
+        procs.append(second)
+        assert await asyncio.to_thread(second.wait, 60) == 3
+        text = (tmp_path / "second.err").read_text()
+        assert "refused_by_master" in text and f"by pid {holder.pid}" in text, text
+        assert _submit(master, '{"value": "still"}').stdout.split() == ['{"value":"still"}']
+        # Stopped, the holder's heartbeats stop: by the time a new worker has started and
+        # registers (its interpreter's start alone outlasts two 100 ms beats), it has gone
+        # quiet, and the new one takes the slot.
+        os.kill(holder.pid, signal.SIGSTOP)
+        third = _start("worker", "--master", master, "--stage", "echo", "--headless",
+                       "--connect-timeout", "60", err=tmp_path / "third.err")  # fmt: skip
+        procs.append(third)
+        master_log = tmp_path / "master.err"
+        await wait_for(lambda: f"new registration (pid {third.pid}" in master_log.read_text(), 60)
+        assert _submit(master, '{"value": "new"}').stdout.split() == ['{"value":"new"}']
+        os.kill(holder.pid, signal.SIGCONT)
+        assert await asyncio.to_thread(holder.wait, 30) == 0
+        text = (tmp_path / "echo.err").read_text()
+        assert "stopped_by_master" in text and f"(pid {third.pid} on host" in text, text
+        assert third.poll() is None
+    finally:
+        kill_all(procs)
+
+
 # ---- stagewire master + stagewire submit ---------------------------------------------------
 
 
