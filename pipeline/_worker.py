@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import math
 import os
 import secrets
 import signal
@@ -93,6 +94,8 @@ class Refused(Exception):
 
 
 EXIT_SETUP_FAILED = 3
+#: When a worker registering with no answer first says so, and then how often, in seconds.
+WAITING_NOTE_S = (2.0, 30.0)
 EXIT_MASTER_LOST = 4
 #: Largest data message accepted, in bytes.
 MAX_DATA_MESSAGE = 1 << 30
@@ -255,17 +258,31 @@ class _Worker:
             local_endpoint=self.local.address if self.local is not None else "",
             pidns=pid_namespace(),
         )
-        deadline = time.monotonic() + timeout
+        began = time.monotonic()
+        deadline = began + timeout
+        note = began + WAITING_NOTE_S[0]
         while True:
             self.send_control(register)
             try:
                 async with asyncio.timeout(1.0):
                     return await asyncio.shield(self.assignment)
             except TimeoutError:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise
                 if self.stop.is_set():
                     raise
+                if now >= note:
+                    # A worker started by hand says what it waits for, not nothing at all.
+                    log.warning(
+                        "waiting_for_master",
+                        stage=self.stage,
+                        replica=self.replica,
+                        master=self.master,
+                        waited_s=round(now - began),
+                        gives_up_in_s=round(deadline - now) if deadline < math.inf else None,
+                    )
+                    note = now + WAITING_NOTE_S[1]
 
     def report_failure(self, info: FailureInfo) -> None:
         self.send_control(Failed(self.stage, self.replica, info))
@@ -498,6 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     problem = master_endpoint_problem(args.master)
     if problem is not None:
         p.error(f"--master {args.master!r} {problem}")
+    if not args.connect_timeout > 0:  # NaN included: a deadline never reached
+        p.error(
+            f"--connect-timeout must be a positive number of seconds (inf: wait for ever), "
+            f"not {args.connect_timeout:g}"
+        )
     if args.bind_host is not None and is_wildcard(args.bind_host):
         p.error(
             f"--bind-host {args.bind_host!r} binds every interface, but peers are told the "

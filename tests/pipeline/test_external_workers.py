@@ -121,6 +121,30 @@ def test_a_worker_refuses_a_wildcard_bind_host(tmp_path: Path, wildcard: str) ->
     assert "binds every interface" in err.read_text()
 
 
+@pytest.mark.parametrize("timeout", ["nan", "0", "-1"])
+def test_a_worker_refuses_a_connect_timeout_that_is_no_time(tmp_path: Path, timeout: str) -> None:
+    """A NaN deadline is never reached: the worker waited for ever, saying nothing."""
+    err = tmp_path / "worker.err"
+    proc = _start("worker", "--master", f"tcp://127.0.0.1:{free_port()}", "--stage", "upper",
+                  "--connect-timeout", timeout, err=err)  # fmt: skip
+    assert proc.wait(60) == 2
+    assert "--connect-timeout must be a positive number of seconds" in err.read_text()
+
+
+def test_a_worker_waiting_for_its_master_says_so_then_gives_up(tmp_path: Path) -> None:
+    """A worker started by hand whose master does not answer says what it waits for (on
+    the default log level), then exits 4 at its --connect-timeout."""
+    err = tmp_path / "worker.err"
+    master = f"tcp://127.0.0.1:{free_port()}"
+    proc = _start("worker", "--master", master, "--stage", "upper", "--connect-timeout", "4",
+                  "--headless", err=err)  # fmt: skip
+    assert proc.wait(60) == 4
+    lines = err.read_text().splitlines()
+    waiting = [ln for ln in lines if "waiting_for_master" in ln]
+    assert waiting and master in waiting[0] and '"gives_up_in_s"' in waiting[0], lines
+    assert "master_unreachable" in lines[-1], lines
+
+
 def test_a_worker_binds_its_address_toward_the_master() -> None:
     """The kernel's route decides: loopback toward loopback (v4 or v6) and ipc://. (Other
     hosts' addresses: ``test_netns.py``.)"""
