@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
+import math
 import re
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,14 @@ import structlog
 from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from pipeline import _collector
 from pipeline._api import Pipeline, SinkOutput
@@ -71,6 +80,8 @@ EXIT_INTERRUPTED = 130
 #: The most requests (or requests in flight) ``run`` takes: more than any batch needs, and
 #: within what ``itertools.islice`` accepts.
 MAX_COUNT = 2**31
+#: How often ``run`` writes a progress line where no bar shows, in seconds.
+PROGRESS_EVERY_S = 10.0
 
 
 def _json_default(obj: Any) -> Any:
@@ -274,7 +285,9 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             t1 = time.perf_counter()
             # No more clients than requests: the others would find the queue empty.
             clients = max(1, min(args.concurrency, total))
-            await asyncio.gather(*(client() for _ in range(clients)))
+            every, report = args.progress_every, lambda: _progress_line(progress, task, total)
+            async with _progress_lines(console, every, report):
+                await asyncio.gather(*(client() for _ in range(clients)))
             elapsed = time.perf_counter() - t1
         stats = await pipe.statistics()
     finally:
@@ -298,6 +311,39 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     for text in tracebacks:
         console.print(f"stage traceback:\n{text}", highlight=False, markup=False)
     return EXIT_FAILED if failures else 0
+
+
+def _progress_line(progress: Progress, task: TaskID, total: int) -> str:
+    state = progress.tasks[task]
+    rate = state.completed / state.elapsed if state.elapsed else 0.0
+    return (
+        f"progress: {state.completed:g}/{total} requests, {state.fields['failed']} failed, "
+        f"{rate:.1f} req/s, {state.elapsed or 0:.0f}s elapsed"
+    )
+
+
+@contextlib.asynccontextmanager
+async def _progress_lines(
+    console: Console, every: float, line: Callable[[], str]
+) -> AsyncIterator[None]:
+    """Where no bar shows (stderr is not a terminal), write ``line()`` every ``every``
+    seconds while the body runs, so that a log shows a long run moving."""
+    if console.is_terminal:
+        yield
+        return
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(every)
+            sys.stderr.write(line() + "\n")
+            sys.stderr.flush()
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        yield
+    finally:
+        ticker.cancel()
+        await asyncio.gather(ticker, return_exceptions=True)
 
 
 async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console) -> None:
@@ -547,6 +593,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--print-outputs", action="store_true", help="print every output")
     run.add_argument(
+        "--progress-every",
+        type=_seconds,
+        default=PROGRESS_EVERY_S,
+        metavar="SECONDS",
+        help="when stderr is not a terminal (a log, CI), a progress line this often "
+        f"(default {PROGRESS_EVERY_S:g}; a terminal shows a bar instead)",
+    )
+    run.add_argument(
         "--external-workers",
         action="store_true",
         help="start no workers here: print the `stagewire worker` command for each replica "
@@ -616,6 +670,17 @@ def _parser() -> argparse.ArgumentParser:
             "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
         )
     return p
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
 
 
 def _count(least: int, most: int) -> Callable[[str], int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -362,3 +363,18 @@ def test_show_stream_names_the_fields_when_none_is_the_one_asked(tmp_path: Path)
     assert res.returncode == 0, res.stderr
     assert "no streamed chunk has a text field 'nosuch'" in res.stderr
     assert "theirs: index, value" in res.stderr
+
+
+def test_run_writes_progress_lines_where_no_bar_shows(tmp_path: Path) -> None:
+    """With stderr a file (a log, CI), no bar is drawn: progress lines are written instead,
+    every --progress-every seconds; and a period that is no time is a usage error."""
+    cfg = _echo_config(tmp_path)
+    done = _run("run", str(cfg), "--input", '{"value": "sleep 0.25"}', "--requests", "6",
+                "--concurrency", "1", "--progress-every", "0.3")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("progress: ")]
+    assert lines, done.stderr
+    assert re.fullmatch(r"progress: \d+/6 requests, 0 failed, [\d.]+ req/s, \d+s elapsed", lines[0])
+    for bad in ("0", "nan", "inf", "soon"):
+        refused = _run("run", str(cfg), "--input", '{"value": "a"}', "--progress-every", bad)
+        assert refused.returncode == 2 and "--progress-every" in refused.stderr, refused.stderr
