@@ -10,6 +10,7 @@ turns pydantic's errors into one :class:`ConfigError` at that line.
 from __future__ import annotations
 
 import os
+import re
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,27 @@ MAX_FILE_BYTES = 4 * 1024 * 1024
 #: spec has hundreds, while nested aliases ("billion laughs") can name billions in a few
 #: lines, which walking or sending to workers would take for ever.
 MAX_NODES = 100_000
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """The safe loader, but with YAML 1.2's booleans: only ``true`` and ``false``.
+
+    YAML 1.1 also reads ``yes``, ``no``, ``on`` and ``off`` as booleans, so a stage named
+    ``yes`` (or a key ``on``) became ``True``. They stay strings here; a boolean field given
+    ``yes`` still validates, as pydantic reads such strings as booleans.
+    """
+
+
+_SpecLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_SpecLoader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -132,7 +154,7 @@ def parse_yaml(text: str, *, source: str = "<string>") -> YamlDocument:
             key within one mapping.
     """
     try:
-        loader = yaml.SafeLoader(text)
+        loader = _SpecLoader(text)
     except yaml.reader.ReaderError as e:
         # The reader refuses control characters up front; it knows the offset, not the line.
         where = e.position if isinstance(e.position, int) else 0

@@ -553,3 +553,30 @@ def test_errors_found_building_the_plan_name_their_line(
     with pytest.raises(ConfigError) as info:
         Pipeline.from_yaml(path)
     assert str(info.value).startswith(str(tmp_path / expected)), str(info.value)
+
+
+def test_yes_no_on_off_are_strings_as_in_yaml_1_2() -> None:
+    """YAML 1.1 read ``yes``/``no``/``on``/``off`` as booleans: a stage named ``yes`` became
+    ``True`` and failed as "stages.1: input should be a valid string"; ``true`` and
+    ``false`` stay booleans, and a boolean option given ``yes`` says what it wants."""
+    spec = load("""
+        stages:
+          yes: {impl: "m:A", env: {FLAG: on}}
+          no: {impl: "m:B"}
+        edges:
+          - {from: yes, to: no, transport: {kind: network, options: {copy_on_put: false}}}
+    """)
+    assert list(spec.stages) == ["yes", "no"]
+    assert spec.stages["yes"].env == {"FLAG": "on"}
+    assert spec.edges[0].transport is not None
+    assert spec.edges[0].transport.options == {"copy_on_put": False}
+    with pytest.raises(ConfigError, match="copy_on_put must be true or false, got 'yes'"):
+        Pipeline(  # builds the plan, which checks each edge's transport options
+            load("""
+                stages:
+                  a: {impl: "tests.pipeline.sample_stages:Echo"}
+                  b: {impl: "tests.pipeline.sample_stages:Echo"}
+                edges:
+                  - {from: a, to: b, transport: {kind: network, options: {copy_on_put: yes}}}
+            """)
+        )
