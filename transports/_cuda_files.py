@@ -59,15 +59,41 @@ def cuda_files_of(pids: Iterable[int]) -> list[str]:
     return sorted(found)
 
 
+def _started_at(pid: int) -> float | None:
+    """When the live process ``pid`` started, in seconds since the epoch; None if no
+    process has that pid (or this is not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(ln.split()[1]) for ln in f if ln.startswith(b"btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    # Field 22, counted after the command name, which may hold spaces and parentheses.
+    ticks = int(stat[stat.rindex(b")") + 2 :].split()[19])
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def remove_cuda_files_of(pids: Iterable[int]) -> list[str]:
     """Unlink the CUDA IPC files of ``pids``, which must all have exited; the names removed.
 
-    For a parent that started those processes (by pid, as with shm segments).
+    For a parent that started those processes (by pid, as with shm segments). A pid may
+    have been reused since its process exited: a file made after the live process now
+    holding that pid started is that process's, and is left alone.
     """
     removed = []
+    started: dict[int, float | None] = {}
     for name in cuda_files_of(pids):
+        path = os.path.join(SHM_DIR, name)
+        pid = _pid_of(name)
+        if pid not in started:
+            started[pid] = _started_at(pid)
         try:
-            os.unlink(os.path.join(SHM_DIR, name))
+            since = started[pid]
+            # Whole seconds of boot time: a second's margin keeps a new process's file.
+            if since is not None and os.stat(path, follow_symlinks=False).st_ctime >= since - 1:
+                continue
+            os.unlink(path)
         except FileNotFoundError:
             continue
         removed.append(name)

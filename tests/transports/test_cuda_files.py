@@ -78,6 +78,29 @@ def test_the_files_of_a_killed_process_are_found_and_removed_and_no_others() -> 
             Path("/dev/shm", name).unlink(missing_ok=True)
 
 
+def test_the_files_of_a_process_now_holding_a_reused_pid_are_left_alone() -> None:
+    """A pid is reused once its process has been reaped. A caller that names an exited
+    worker's pid must not remove files of a live process that holds that pid since and
+    made them after it started (here: a live child, named as if it had exited)."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)  # fmt: skip
+    try:
+        names = [f"cuda.shm.{os.getuid()}.{child.pid:x}.1", f"torch_{child.pid}_1_0"]
+        for name in names:
+            Path("/dev/shm", name).write_bytes(b"")
+        try:
+            assert sorted(cuda_files_of([child.pid])) == sorted(names)
+            assert remove_cuda_files_of([child.pid]) == []
+            assert _exists(names) == names
+        finally:
+            for name in names:
+                Path("/dev/shm", name).unlink(missing_ok=True)
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(30)
+
+
 @pytest.mark.parametrize("used", [True, False])
 def test_a_process_that_used_cuda_ipc_removes_its_driver_file_as_it_exits(used: bool) -> None:
     """Only the driver's file: torch removes its own at a clean exit (here nobody does)."""
