@@ -13,10 +13,33 @@ import zmq
 from pipeline._actor import StageActor
 from pipeline._channel import OutputChannel, SendTarget
 from pipeline._messages import FailureInfo, Peer, encode_batch
-from pipeline._signature import build_plan
+from pipeline._signature import PipelinePlan, build_plan
 from pipeline._sockets import Outbox
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
+
+
+def _echo_actor(
+    plan: PipelinePlan,
+    send: Callable[[str, Any], None],
+    report: Callable[[FailureInfo], None],
+    outbox: Outbox | None = None,
+) -> StageActor:
+    """The actor of replica 0 of ``plan``'s stage ``echo``, at ``inproc://echo``."""
+    stage = plan.stages["echo"]
+    instance = stage.signature.cls(
+        params=stage.params, name="echo", replica=0, device=stage.spec.device
+    )
+    return StageActor(
+        stage,
+        instance,
+        replica=0,
+        host="h",
+        endpoint="inproc://echo",
+        send=send,
+        report_failure=report,
+        outbox=outbox,
+    )
 
 
 def _echo(
@@ -25,18 +48,7 @@ def _echo(
     """An Echo replica's actor, and a client's channel into it; both send into ``sent``."""
     plan = build_plan(spec({"echo": ":Echo"}, []))
     stage = plan.stages["echo"]
-    instance = stage.signature.cls(
-        params=stage.params, name="echo", replica=0, device=stage.spec.device
-    )
-    actor = StageActor(
-        stage,
-        instance,
-        replica=0,
-        host="h",
-        endpoint="inproc://echo",
-        send=lambda _endpoint, msg: sent.append(msg),
-        report_failure=report,
-    )
+    actor = _echo_actor(plan, lambda _endpoint, msg: sent.append(msg), report)
     client = OutputChannel(
         stage.inputs["text"],
         host="h",
@@ -115,20 +127,8 @@ async def test_a_request_is_released_once_what_it_sent_has_left_and_nothing_wait
         spec({"echo": ":Echo", "next": ":Echo"}, [("echo", "next")], transport=transport)
     )
     stage = plan.stages["echo"]
-    instance = stage.signature.cls(
-        params=stage.params, name="echo", replica=0, device=stage.spec.device
-    )
     reported: list[FailureInfo] = []
-    actor = StageActor(
-        stage,
-        instance,
-        replica=0,
-        host="h",
-        endpoint="inproc://echo",
-        send=outbox.send,
-        report_failure=reported.append,
-        outbox=outbox,
-    )
+    actor = _echo_actor(plan, outbox.send, reported.append, outbox)
     peers = {"echo": {0: Peer("inproc://echo", "h")}, "next": {0: Peer("inproc://next", "h")}}
     actor.set_peers(peers, Peer("inproc://client", "h"))
     sent: list[Any] = []
