@@ -225,14 +225,19 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
     timeout = pipe.spec.defaults.startup_timeout
     with console.status(f"waiting for {workers} workers (up to {timeout:g}s)") as status:
         starting = asyncio.ensure_future(pipe.start(launch=False, on_listening=announce))
+        # Where no status line shows (stderr is not a terminal), a line now and then.
+        every = getattr(args, "progress_every", PROGRESS_EVERY_S)
+        next_line = time.monotonic() + every
         try:
             while not (await asyncio.wait([starting], timeout=0.5))[0]:
                 missing = pipe.waiting_for() if listening else []
                 if missing:
-                    status.update(
-                        f"waiting for {len(missing)} of {workers} workers: "
-                        + escape(", ".join(missing))
-                    )
+                    waiting = f"waiting for {len(missing)} of {workers} workers: "
+                    status.update(waiting + escape(", ".join(missing)))
+                    if not console.is_terminal and time.monotonic() >= next_line:
+                        sys.stderr.write(waiting + ", ".join(missing) + "\n")
+                        sys.stderr.flush()
+                        next_line = time.monotonic() + every
             await starting
         except PipelineError as exc:
             raise _Fail(str(exc), EXIT_START) from exc

@@ -85,10 +85,13 @@ async def test_a_run_with_external_workers_serves_them_and_shuts_them_down(
 async def test_a_run_whose_external_workers_never_come_names_them_and_exits_3(
     tmp_path: Path,
 ) -> None:
+    """Every missing replica is named in one error line; meanwhile, where no status line
+    shows, a line now and then says whom it waits for."""
     config = tmp_path / "p.yaml"
     config.write_text(DEMO.read_text().replace("chunk_timeout: 30s", "startup_timeout: 2s"))
     err = tmp_path / "run.err"
-    proc = _start("run", str(config), "--external-workers", "--input", '{"value": "a b"}', err=err)
+    proc = _start("run", str(config), "--external-workers", "--input", '{"value": "a b"}',
+                  "--progress-every", "0.5", err=err)  # fmt: skip
     try:
         assert await asyncio.to_thread(proc.wait, 60) == 3
         text = err.read_text()
@@ -96,6 +99,8 @@ async def test_a_run_whose_external_workers_never_come_names_them_and_exits_3(
         assert len(errors) == 1, text
         for name in ("join[0]", "split[0]", "upper[0]"):
             assert name in errors[0], errors
+        # With stderr not a terminal no status line shows: lines say whom it waits for.
+        assert "waiting for 3 of 3 workers: " in text, text
     finally:
         kill_all([proc])
 
