@@ -9,8 +9,11 @@ onto white). Either way the pixels are resized with ``torch.nn.functional.interp
 Everything that can be wrong with a request is found here, before any model runs, and
 raised as :class:`InvalidRequest` with a message that says what was wrong; the runtime turns
 it into a ``StageError`` for that request only. That includes bytes in another format,
-corrupt or truncated files, and images larger than :data:`MAX_PIXELS_SIDE` a side, which
-are refused from their header, before any pixel memory is allocated.
+corrupt or truncated files, images larger than :data:`MAX_PIXELS_SIDE` a side, which
+are refused from their header, before any pixel memory is allocated, and JPEGs of more than
+:data:`MAX_JPEG_SCANS` scans, refused before decoding (each scan costs a pass over the
+whole image). A 16-bit RGB PNG with a transparent colour is refused: Pillow decodes it to
+8 bits, where that colour can no longer be told.
 """
 
 from __future__ import annotations
@@ -32,11 +35,26 @@ from stages import tokenizer
 from stages.model import TINY_VLM, VLMConfig
 from stages.payloads import Pixels, PreprocessOut, PromptTokens, VLMRequest
 
-__all__ = ("IMAGE_FORMATS", "MAX_PIXELS_SIDE", "InvalidRequest", "Preprocess", "prepare", "to_rgb")
+__all__ = (
+    "IMAGE_FORMATS",
+    "MAX_JPEG_SCANS",
+    "MAX_PIXELS_SIDE",
+    "InvalidRequest",
+    "Preprocess",
+    "prepare",
+    "to_rgb",
+)
 
 #: Largest side of an image accepted, decoded or raw; larger images should be resized by
 #: the client. It also bounds a decoded image to 16 Mpx, 48 MiB of RGB.
 MAX_PIXELS_SIDE = 4096
+#: The most scans a JPEG may have. A progressive JPEG has about ten; the decoder passes over
+#: the whole image once per scan, so thousands of tiny scans in a small file would hold the
+#: stage for minutes.
+MAX_JPEG_SCANS = 100
+#: Up to this many characters, a prompt too long is measured in bytes exactly for its
+#: error; a longer one is refused by its length alone, before it is encoded.
+EXACT_PROMPT_CHARS = 1 << 16
 #: The encoded formats accepted; Pillow is told to try no others.
 IMAGE_FORMATS = ("PNG", "JPEG")
 _SIGNATURES = (
@@ -99,13 +117,54 @@ def _decoding(data: bytes) -> Iterator[None]:
         raise InvalidRequest(f"corrupt or truncated {kind} image: {e}") from e
 
 
-def _rgb_array(image: Image.Image) -> NDArray[np.uint8]:
-    """``image`` upright, as ``uint8`` RGB ``(height, width, 3)``."""
+def _jpeg_scans(data: bytes) -> int:
+    """How many scans (SOS segments) the JPEG ``data`` has, counting up to one past
+    :data:`MAX_JPEG_SCANS`. Malformed data counts what it can: the decoder reports it."""
+    scans, at, end = 0, 2, len(data)
+    while at + 4 <= end and scans <= MAX_JPEG_SCANS:
+        if data[at] != 0xFF:
+            return scans
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            at += 1
+            continue
+        if marker == 0xD9:  # end of image
+            return scans
+        at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+        if marker != 0xDA:
+            continue
+        scans += 1
+        # Entropy-coded data follows: a 0xFF in it is followed by 0x00 (a stuffed byte) or
+        # a restart marker (0xD0-0xD7); any other byte after a 0xFF is the next marker.
+        while (at := data.find(b"\xff", at)) != -1 and at + 1 < end:
+            if data[at + 1] == 0 or 0xD0 <= data[at + 1] <= 0xD7:
+                at += 2
+                continue
+            break
+        else:
+            return scans
+    return scans
+
+
+def _rgb_array(image: Image.Image, data: bytes) -> NDArray[np.uint8]:
+    """``image`` (decoded from ``data``) upright, as ``uint8`` RGB ``(height, width, 3)``."""
     image = ImageOps.exif_transpose(image)
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):
         # 16-bit grey PNGs: convert() would clip every value above 255, so scale them.
-        grey = (np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8)
+        wide = np.asarray(image).astype(np.uint32)
+        grey = (wide >> 8).astype(np.uint8)
+        key = image.info.get("transparency")
+        if isinstance(key, int):
+            # The transparent grey level is given in 16 bits: compare before scaling.
+            grey[wide == key] = 255
         return np.repeat(grey[..., None], 3, axis=2)
+    if _kind(data) == "PNG" and data[24:26] == b"\x10\x02" and "transparency" in image.info:
+        # A 16-bit RGB PNG whose transparent colour is given in 16 bits: Pillow decodes its
+        # pixels to 8 bits, so which of them are that colour can no longer be told.
+        raise InvalidRequest(
+            "16-bit RGB PNGs with a transparent colour (tRNS) are not supported; "
+            "send 8-bit RGB, or an alpha channel"
+        )
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
         # Transparent pixels show the background, not whatever colour they happen to hold.
         rgba = image.convert("RGBA")
@@ -121,13 +180,18 @@ def _decode_image(data: bytes) -> torch.Tensor:
             # open() reads only the header: refuse a huge image before it is allocated.
             _check_side(*image.size, what="image is")
             if image.format != "PNG":
-                return torch.from_numpy(_rgb_array(image))
+                if _jpeg_scans(data) > MAX_JPEG_SCANS:
+                    raise InvalidRequest(
+                        f"JPEG has over {MAX_JPEG_SCANS} scans; at most {MAX_JPEG_SCANS} are "
+                        "decoded (a progressive JPEG has about ten)"
+                    )
+                return torch.from_numpy(_rgb_array(image, data))
             # load() skips the CRCs of PNG chunks, so a flipped bit in the pixel data could
             # decode silently into other pixels; verify() checks every chunk's CRC.
             image.verify()
         # verify() leaves the image unusable, so decode from a fresh parse.
         with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
-            return torch.from_numpy(_rgb_array(image))
+            return torch.from_numpy(_rgb_array(image, data))
 
 
 def _check_pixels(pixels: torch.Tensor) -> torch.Tensor:
@@ -172,15 +236,29 @@ def _tokens(prompt: str, config: VLMConfig) -> list[int]:
         raise InvalidRequest("prompt is empty")
     if not prompt.strip():
         raise InvalidRequest("prompt is blank (only whitespace)")
-    ids = tokenizer.encode(prompt)
+    # Each character is a byte or more: a prompt of far too many characters is refused
+    # before it is encoded, and its token list (8 bytes a byte) never built.
+    if len(prompt) > max(config.max_prompt_bytes, EXACT_PROMPT_CHARS):
+        raise _too_long(f"at least {len(prompt)}", config)
+    try:
+        ids = tokenizer.encode(prompt)
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(
+            f"prompt is not valid text: {e.reason} at character {e.start} "
+            f"({prompt[e.start : e.end]!r})"
+        ) from None
     n = len(ids) - 1
     if n > config.max_prompt_bytes:
-        raise InvalidRequest(
-            f"prompt is {n} bytes long but the model's context of {config.max_context} "
-            f"positions leaves room for at most {config.max_prompt_bytes} prompt bytes "
-            f"after the {config.n_patches} image tokens"
-        )
+        raise _too_long(str(n), config)
     return ids
+
+
+def _too_long(size: str, config: VLMConfig) -> InvalidRequest:
+    return InvalidRequest(
+        f"prompt is {size} bytes long but the model's context of {config.max_context} "
+        f"positions leaves room for at most {config.max_prompt_bytes} prompt bytes "
+        f"after the {config.n_patches} image tokens"
+    )
 
 
 def prepare(request: VLMRequest, config: VLMConfig = TINY_VLM) -> tuple[torch.Tensor, list[int]]:

@@ -14,7 +14,7 @@ from PIL import Image
 from pipeline import Context
 from stages.model import BOS, TINY_VLM
 from stages.payloads import VLMRequest
-from stages.preprocess import InvalidRequest, Preprocess, prepare, to_rgb
+from stages.preprocess import MAX_JPEG_SCANS, InvalidRequest, Preprocess, prepare, to_rgb
 from stages.samples import encode_png
 from stages.tokenizer import TextStream, encode
 from tests.stages.conftest import encoded
@@ -124,6 +124,15 @@ def test_the_longest_prompt_that_fits_is_accepted() -> None:
             VLMRequest(prompt="x", image=b"hello world"),
             "image is 11 bytes starting b'hello wo', not a PNG or JPEG",
         ),
+        (
+            # Refused by its length in characters, before any token list is built for it.
+            VLMRequest(prompt="a" * 10_000_000, pixels=torch.zeros(4, 4, 3, dtype=torch.uint8)),
+            "prompt is at least 10000000 bytes long",
+        ),
+        (
+            VLMRequest(prompt="caf\udce9", pixels=torch.zeros(4, 4, 3, dtype=torch.uint8)),
+            r"prompt is not valid text: surrogates not allowed at character 3",
+        ),
     ],
     ids=[
         "empty-prompt",
@@ -136,6 +145,8 @@ def test_the_longest_prompt_that_fits_is_accepted() -> None:
         "grey-pixels",
         "zero-height",
         "not-an-image",
+        "huge-prompt",
+        "lone-surrogate",
     ],
 )
 def test_invalid_requests_say_what_is_wrong(request_: VLMRequest, message: str) -> None:
@@ -162,6 +173,42 @@ def _jpeg_claiming(width: int, height: int) -> bytes:
     # SOF0 marker, then a 2-byte length and a 1-byte precision, then height and width.
     at = data.index(b"\xff\xc0") + 5
     return data[:at] + struct.pack(">HH", height, width) + data[at + 4 :]
+
+
+def _more_scans(jpeg: bytes, extra: int) -> bytes:
+    """A progressive JPEG with its last scan (a refinement) repeated ``extra`` more times."""
+    end = len(jpeg) - 2  # before the EOI marker
+    last = jpeg.rindex(b"\xff\xda", 0, end)
+    return jpeg[:end] + jpeg[last:end] * extra + jpeg[end:]
+
+
+def test_a_jpeg_of_thousands_of_scans_is_refused_before_it_is_decoded() -> None:
+    """Each scan is a pass of the decoder over the whole image: a 4096x4096 JPEG of 10,000
+    tiny scans, a few hundred KB, took a minute to decode, holding the stage. Up to
+    MAX_JPEG_SCANS scans still decode."""
+    progressive = encoded(_rgb(48, 64), "JPEG", progressive=True)
+    assert _decoded(_more_scans(progressive, MAX_JPEG_SCANS - 20)).shape == (48, 64, 3)
+    with pytest.raises(InvalidRequest, match=f"JPEG has over {MAX_JPEG_SCANS} scans"):
+        _decoded(_more_scans(progressive, 10_000))
+
+
+def test_a_sixteen_bit_transparent_grey_shows_white_and_a_sixteen_bit_rgb_key_is_refused() -> None:
+    """A tRNS key is given in the image's own 16 bits: the transparent grey level is matched
+    before scaling (it kept its grey); a 16-bit RGB key cannot be matched against the 8-bit
+    pixels Pillow decodes, so such an image is refused rather than decoded wrongly."""
+
+    def png(ctype: int, row: bytes, key: bytes) -> bytes:
+        width = len(row) // (6 if ctype == 2 else 2)
+        ihdr = struct.pack(">IIBBBBB", width, 1, 16, ctype, 0, 0, 0)
+        return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"tRNS", key)
+                + _chunk(b"IDAT", zlib.compress(b"\x00" + row)) + _chunk(b"IEND", b""))  # fmt: skip
+
+    grey = png(0, struct.pack(">HH", 0x8000, 0x4000), struct.pack(">H", 0x8000))
+    assert _decoded(grey).tolist() == [[[255, 255, 255], [64, 64, 64]]]
+    key = struct.pack(">HHH", 0x1234, 0x5678, 0x9ABC)
+    rgb = png(2, key + struct.pack(">HHH", 0x1200, 0x5600, 0x9A00), key)
+    with pytest.raises(InvalidRequest, match="16-bit RGB PNGs with a transparent colour"):
+        _decoded(rgb)
 
 
 def _decoded(data: bytes) -> np.ndarray:
