@@ -58,11 +58,14 @@ log = structlog.get_logger("stagewire.actor")
 
 #: How many finished request ids a replica remembers, to discard their late chunks.
 FINISHED_MEMORY = 65536
-#: How many requests a replica keeps ready to tell the master it needs nothing here for
-#: (see :meth:`StageActor.take_released`); later ones go untold past that.
-RELEASED_MEMORY = 8192
+#: How many request reports (see :meth:`StageActor.take_reports`) a replica keeps for its
+#: next heartbeat; later ones go untold past that (the master hears no heartbeat anyway).
+REPORTS_MEMORY = 16384
 #: The most of them one heartbeat tells.
-RELEASED_PER_BEAT = 2048
+REPORTS_PER_BEAT = 4096
+#: Report kinds: the request's handler ended here, every payload it sent inside its
+#: envelopes; every input of the request has arrived here, whole.
+ENDED, DRAINED = 0, 1
 #: A handler that computed this long for one chunk, with no batch leaving meanwhile, is
 #: compute-bound: its chunks leave as they come (see :class:`_Pacer`).
 EAGER_SEND_S = 100e-6
@@ -141,6 +144,7 @@ class _Request:
         "admit",
         "created",
         "ctx",
+        "drained",
         "inflows",
         "request_id",
         "route",
@@ -162,6 +166,8 @@ class _Request:
         self.ctx: Context | None = None
         self.started = False
         self.created = time.monotonic()
+        #: Every input has arrived whole (or the handler ended): told to the master.
+        self.drained = False
 
 
 class StageActor:
@@ -213,10 +219,9 @@ class StageActor:
         #: once the whole message is filed.
         self._starting: list[_Request] | None = None
         self._finished: OrderedDict[str, None] = OrderedDict()
-        #: Requests whose handler ended here with every payload inside its envelopes, each
-        #: with the outbox flush count after which those envelopes have left; the heartbeat
-        #: thread takes them (:meth:`take_released`).
-        self._released: deque[tuple[str, int]] = deque()
+        #: What the master learns with the next heartbeat, as (kind, request id): which
+        #: requests ended here, and which had all their inputs arrive (see take_reports).
+        self._reports: deque[tuple[int, str]] = deque()
         self._sem = asyncio.Semaphore(plan.spec.max_concurrency)
         self._streaming_out = plan.signature.streaming_output
         self._stream_params = frozenset(i.name for i in plan.signature.inputs if i.streaming)
@@ -442,6 +447,9 @@ class StageActor:
         self.counts["duplicates"] += file_run(inflow, run, items)
         if buf.buffered > self.peak_buffered:
             self.peak_buffered = buf.buffered
+        if run.final and not req.drained and all(f.buffer.complete for f in req.inflows.values()):
+            req.drained = True
+            self._report(DRAINED, rid)
         self._maybe_start(req)
 
     def _evict_unadmitted(self) -> bool:
@@ -555,40 +563,41 @@ class StageActor:
             # are released as they come.
             if self._requests.get(rid) is req:
                 req.task = None
-                self._note_released(rid)
+                self._note_ended(req)
                 self.forget(rid)
 
-    def _note_released(self, rid: str) -> None:
-        """The handler of ``rid`` ended: once what it sent has left, the request needs
-        nothing of this replica, unless a payload waits here to be read (shm, network,
-        cuda_ipc keep theirs in this process until their consumer takes them)."""
-        if len(self._released) >= RELEASED_MEMORY or any(
-            out.held_here(rid) for out in self._outputs.values()
-        ):
-            return  # (past the cap, the master is not hearing the heartbeats anyway)
-        outbox = self._outbox
-        needed = 0 if outbox is None else outbox.flushes + int(outbox.pending)
-        self._released.append((rid, needed))
+    def _report(self, kind: int, rid: str) -> None:
+        if len(self._reports) < REPORTS_MEMORY:
+            self._reports.append((kind, rid))
 
-    def take_released(self) -> list[str]:
-        """Requests this replica is done with since the last call: their handlers ended and
-        everything they sent has left the process. A dead replica need not fail them.
+    def _note_ended(self, req: _Request) -> None:
+        """The handler of ``req`` ended: its inputs are no longer needed (read to their ends,
+        or given up), and, unless a payload it sent waits here to be read (shm, network and
+        cuda_ipc keep theirs in this process), what it sent is in its envelopes."""
+        rid = req.request_id
+        if not req.drained:
+            req.drained = True
+            self._report(DRAINED, rid)
+        if not any(out.held_here(rid) for out in self._outputs.values()):
+            self._report(ENDED, rid)
 
-        Called from the heartbeat thread; only that thread takes from the queue.
+    def take_reports(self) -> tuple[list[str], list[str]]:
+        """The requests whose handler ended here (every payload inside its envelopes), and
+        those whose every input has arrived here, since the last call.
+
+        The master counts a replica done with a request once it ended there and every
+        stage it sends to has had all of the request's inputs arrive: nothing of it is then
+        left in this process, in a socket's queue or elsewhere, and its death need not fail
+        the request. Called from the heartbeat thread, the only one that takes from the
+        queue.
         """
-        released = self._released
-        outbox = self._outbox
-        flushes = outbox.flushes if outbox is not None else 0
-        if outbox is not None and outbox.backlogged:
-            return []
-        taken: list[str] = []
-        while released and len(taken) < RELEASED_PER_BEAT:
-            rid, needed = released[0]
-            if needed > flushes:
-                break
-            released.popleft()
-            taken.append(rid)
-        return taken
+        reports = self._reports
+        ended: list[str] = []
+        drained: list[str] = []
+        for _ in range(min(len(reports), REPORTS_PER_BEAT)):
+            kind, rid = reports.popleft()
+            (ended if kind == ENDED else drained).append(rid)
+        return ended, drained
 
     def _handler_failed(self, req: _Request, exc: Exception) -> None:
         """Fail the request at the client (a StageError) and forget it here."""

@@ -82,11 +82,6 @@ class LocalLink:
         self._writing = False
         self.broken = False
 
-    @property
-    def backlogged(self) -> bool:
-        """Whether frames wait here for the socket to take them."""
-        return bool(self._queue)
-
     def send(self, frame: bytes) -> bool:
         """Send or queue one frame; False when the link is broken (nothing was sent)."""
         if self.broken:

@@ -351,10 +351,10 @@ class Master:
             return
         rep.last_seen = time.monotonic()
         match msg:
-            case Heartbeat(inflight=inflight, released=released):
+            case Heartbeat(inflight=inflight, ended=ended, drained=drained):
                 rep.inflight = inflight
-                if released:
-                    self.orch.replica_released(rep.stage, rep.replica, released)
+                if ended or drained:
+                    self.orch.stage_reported(rep.stage, ended, drained)
             case Ready():
                 rep.ready = True
                 self.orch.replica_ready(rep.stage, rep.replica)
@@ -434,6 +434,7 @@ class Master:
             local=msg.local_endpoint,
             pidns=msg.pidns,
         )
+        self.outbox.reachable((msg.data_endpoint,))
         if self.local is not None and msg.local_endpoint and msg.host == self.host:
             self.outbox.set_local(msg.data_endpoint, msg.local_endpoint)
         self.orch.replicas[msg.stage][msg.replica] = ReplicaView(

@@ -194,14 +194,16 @@ class SetupFailed(_Msg, frozen=True, tag="setup_failed"):
 
 
 class Heartbeat(_Msg, frozen=True, tag="hb"):
-    """Liveness, both ways; ``inflight`` counts requests the sender holds, ``released``
-    names requests a worker is done with since its last beat (see
-    ``StageActor.take_released``): its death need not fail them."""
+    """Liveness, both ways; ``inflight`` counts requests the sender holds. From a worker,
+    since its last beat: ``ended``, requests whose handler ended there with every payload
+    inside its envelopes; ``drained``, requests all of whose inputs arrived there whole
+    (see ``StageActor.take_reports``)."""
 
     stage: str
     replica: int
     inflight: int = 0
-    released: tuple[str, ...] = ()
+    ended: tuple[str, ...] = ()
+    drained: tuple[str, ...] = ()
 
 
 class Failed(_Msg, frozen=True, tag="failed"):

@@ -72,7 +72,7 @@ class ReplicaView:
 class ClientRequest:
     """One request as the client side sees it."""
 
-    __slots__ = ("error", "inflows", "pending", "request_id", "route", "timer")
+    __slots__ = ("drained", "ended", "error", "inflows", "pending", "request_id", "route", "timer")
 
     def __init__(self, request_id: str, route: dict[str, int]) -> None:
         self.request_id = request_id
@@ -81,6 +81,10 @@ class ClientRequest:
         self.pending: dict[str, asyncio.Task[Any]] = {}
         self.error: BaseException | None = None
         self.timer: asyncio.TimerHandle | None = None
+        #: The stages where the request's handler ended with its payloads all inline, and
+        #: those where all its inputs arrived: what tells when a replica is done with it.
+        self.ended: set[str] = set()
+        self.drained: set[str] = set()
 
 
 class Orchestrator:
@@ -123,6 +127,16 @@ class Orchestrator:
         }
         self._input_types = {
             src: next(iter(plan.stages[src].inputs.values())).payload_type for src in plan.sources
+        }
+        #: The stages each stage sends to (empty for a sink, which sends to the client), and
+        #: those it reads from.
+        self._downstream = {
+            name: () if CLIENT in st.outputs else tuple(st.outputs)
+            for name, st in plan.stages.items()
+        }
+        self._upstream = {
+            name: tuple(up for up, down in self._downstream.items() if name in down)
+            for name in plan.stages
         }
         self._from_sinks = {
             sink: InputChannel(plan.stages[sink].outputs[CLIENT], host=host, send=send_data)
@@ -424,19 +438,41 @@ class Orchestrator:
         self.fail(rid, RequestAborted(rid, reason), outcome="aborted")
         return True
 
-    def replica_released(self, stage: str, replica: int, rids: Sequence[str]) -> None:
-        """A replica is done with ``rids``: their handlers ended there and nothing they sent
-        waits there to be read. Should it die now, they go on; they no longer count toward
-        its load either."""
-        view = self.replicas[stage].get(replica)
-        if view is not None:
-            view.requests.difference_update(rids)
+    def stage_reported(self, stage: str, ended: Sequence[str], drained: Sequence[str]) -> None:
+        """A replica of ``stage`` tells (in its heartbeat) which requests ended there with
+        every payload inside its envelopes, and which had all their inputs arrive there.
+
+        A replica is done with a request once the request ended there and every stage it
+        sends to has had all the request's inputs arrive: nothing it sent can still be in
+        its process (a socket's queue included). Should it die then, the request goes on;
+        it no longer counts toward the replica's load either. A sink is never done early:
+        the client's own reading ends the request.
+        """
+        requests = self.requests
+        for rid in drained:
+            req = requests.get(rid)
+            if req is not None:
+                req.drained.add(stage)
+                for up in self._upstream[stage]:
+                    self._release_if_done(req, up)
+        for rid in ended:
+            req = requests.get(rid)
+            if req is not None:
+                req.ended.add(stage)
+                self._release_if_done(req, stage)
+
+    def _release_if_done(self, req: ClientRequest, stage: str) -> None:
+        downstream = self._downstream[stage]
+        if stage in req.ended and downstream and req.drained.issuperset(downstream):
+            view = self.replicas[stage].get(req.route[stage])
+            if view is not None:
+                view.requests.discard(req.request_id)
 
     def replica_lost(self, stage: str, replica: int, why: str) -> int:
         """Fail every request that still needs a dead replica; how many.
 
-        Those it has released (see :meth:`replica_released`) go on: a replica killed while
-        a long decode runs downstream fails no request it finished before its last beat.
+        Those it is done with (see :meth:`stage_reported`) go on: a replica killed while a
+        long decode runs downstream fails no request whose inputs decode already has.
         """
         view = self.replicas[stage].get(replica)
         if view is None:

@@ -29,8 +29,8 @@ def pulse_identity(control_identity: bytes) -> bytes:
 
 
 class Pulse:
-    """Sends ``Heartbeat`` every ``interval`` seconds until stopped, with the requests
-    ``released`` names (taken from the loop's thread: it must be safe to call from this
+    """Sends ``Heartbeat`` every ``interval`` seconds until stopped, with what ``reports``
+    tells of requests (taken from the loop's thread: it must be safe to call from this
     one)."""
 
     def __init__(
@@ -42,7 +42,7 @@ class Pulse:
         replica: int,
         interval: float,
         inflight: Callable[[], int],
-        released: Callable[[], list[str]] | None = None,
+        reports: Callable[[], tuple[list[str], list[str]]] | None = None,
     ) -> None:
         self._zctx = zctx
         self._master = master
@@ -51,7 +51,7 @@ class Pulse:
         self._replica = replica
         self._interval = interval
         self._inflight = inflight
-        self._released = released
+        self._reports = reports
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stagewire-pulse", daemon=True)
 
@@ -70,8 +70,10 @@ class Pulse:
             while not self._stopped.is_set():
                 # Reading an int another thread updates is safe under the GIL; a stale value
                 # only delays the master's view of the load by one beat.
-                released = tuple(self._released()) if self._released is not None else ()
-                beat = Heartbeat(self._stage, self._replica, self._inflight(), released)
+                ended, drained = self._reports() if self._reports is not None else ((), ())
+                beat = Heartbeat(
+                    self._stage, self._replica, self._inflight(), tuple(ended), tuple(drained)
+                )
                 with contextlib.suppress(zmq.Again):
                     sock.send(_encode(beat), zmq.NOBLOCK)
                 self._stopped.wait(self._interval)

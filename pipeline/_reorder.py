@@ -142,6 +142,11 @@ class ReorderBuffer(Generic[T]):
         return self._finished
 
     @property
+    def complete(self) -> bool:
+        """Whether every chunk up to the final one has arrived (delivered or held)."""
+        return self._final_seq is not None and self._expected + len(self._chunks) > self._final_seq
+
+    @property
     def final_seq(self) -> int | None:
         """The seq of the final chunk, once it has arrived."""
         return self._final_seq

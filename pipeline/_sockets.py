@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import structlog
@@ -41,6 +42,8 @@ log = structlog.get_logger("stagewire.sockets")
 
 #: Envelopes per batch a sender joins into one frame; frames per message a reader accepts.
 MAX_FRAMES = 256
+#: How many forgotten endpoints an outbox remembers, to drop what is still sent to them.
+MAX_GONE = 4096
 
 
 class Sealable(Protocol):
@@ -272,6 +275,7 @@ class Outbox:
 
     __slots__ = (
         "_ctx",
+        "_gone",
         "_handle",
         "_keys",
         "_links",
@@ -279,7 +283,7 @@ class Outbox:
         "_loop",
         "_pending",
         "_socks",
-        "flushes",
+        "dropped",
     )
 
     def __init__(self, ctx: zmq.Context[Any], keys: CurveKeys | None = None) -> None:
@@ -293,21 +297,11 @@ class Outbox:
         #: Same-host link addresses by endpoint, and the links opened to them.
         self._local: dict[str, str] = {}
         self._links: dict[str, LocalLink] = {}
-        #: Flushes that sent something so far: what was queued before one left with it.
-        self.flushes = 0
-
-    @property
-    def pending(self) -> bool:
-        """Whether envelopes wait for the next flush."""
-        return bool(self._pending)
-
-    @property
-    def backlogged(self) -> bool:
-        """Whether a same-host link holds flushed frames its socket could not take yet.
-
-        Safe to read from another thread: it only reads.
-        """
-        return any(link.backlogged for link in list(self._links.values()))
+        #: Endpoints forgotten as gone: what is sent there is dropped, not queued on a socket
+        #: that would reconnect for ever (a consumer still crediting a producer that died).
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        #: Envelopes dropped so.
+        self.dropped = 0
 
     def set_local(self, endpoint: str, address: str) -> None:
         """Send to ``endpoint`` over a same-host link to ``address`` from now on."""
@@ -355,6 +349,9 @@ class Outbox:
         A :class:`Sealable` envelope is encoded as it leaves, so what joins it until then
         (the next chunks of a run) leaves with it.
         """
+        if self._gone and endpoint in self._gone:
+            self.dropped += 1
+            return
         queued = self._pending.get(endpoint)
         if queued is None:
             self._pending[endpoint] = [envelope]
@@ -411,7 +408,6 @@ class Outbox:
             envelopes = [e if isinstance(e, bytes) else e.seal() for e in queued]
             for i in range(0, len(envelopes), MAX_FRAMES):
                 self._transmit(endpoint, encode_batch(envelopes[i : i + MAX_FRAMES]))
-        self.flushes += 1
 
     def _transmit(self, endpoint: str, frame: bytes) -> None:
         if self._local:
@@ -421,13 +417,23 @@ class Outbox:
         self._socket(endpoint).send(frame, zmq.NOBLOCK, copy=False)
 
     def forget(self, endpoint: str) -> None:
-        """Close the socket to an endpoint that went away, dropping what was queued for it."""
+        """Close the socket to an endpoint that went away, dropping what was queued for it,
+        and what is sent to it from now on, until :meth:`reachable` names it again."""
+        self._gone[endpoint] = None
+        if len(self._gone) > MAX_GONE:
+            self._gone.popitem(last=False)
         self._pending.pop(endpoint, None)
         self._local.pop(endpoint, None)
         self._close_link(endpoint)
         sock = self._socks.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
+
+    def reachable(self, endpoints: Iterable[str]) -> None:
+        """``endpoints`` (a new peer table's) may be sent to again, if they were forgotten."""
+        if self._gone:
+            for endpoint in endpoints:
+                self._gone.pop(endpoint, None)
 
     def close(self) -> None:
         """Close every socket; idempotent."""

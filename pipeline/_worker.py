@@ -212,7 +212,8 @@ class _Worker:
                     stats["local_frames"] = self.local.frames
                 self.send_control(StatsReply(self.stage, self.replica, token, stats))
             case Shutdown(reason=reason):
-                if self.actor is not None and not self.stop.is_set() and reason != CLOSING:
+                assigned = self.assignment is not None and self.assignment.done()
+                if assigned and not self.stop.is_set() and reason != CLOSING:
                     # Not the pipeline's end: say why this worker stops (it was replaced).
                     log.warning("stopped_by_master", stage=self.stage, reason=reason)
                 self.stop.set()
@@ -232,6 +233,7 @@ class _Worker:
         departed = self.peer_endpoints - now
         for endpoint in departed:
             self.outbox.forget(endpoint)
+        self.outbox.reachable(now)
         self.peer_endpoints = now
         for replicas in peers.values():
             for p in replicas.values():
@@ -298,6 +300,30 @@ class _Worker:
             return EXIT_SETUP_FAILED
         try:
             spec = PipelineSpec.from_dict(assignment.spec, source="<master>")
+        except Exception as exc:
+            return self._setup_failed(exc)
+        # Beating from here on, through the setup too: the master then tells a replica in a
+        # long setup (a model loading) from a dead one, and refuses a second worker for its
+        # slot meanwhile.
+        pulse = Pulse(
+            self.zctx,
+            self.master,
+            self.identity,
+            self.stage,
+            self.replica,
+            spec.defaults.heartbeat_interval,
+            lambda: self.actor.inflight if self.actor is not None else 0,
+            lambda: self.actor.take_reports() if self.actor is not None else ([], []),
+        )
+        pulse.start()
+        try:
+            return await self._serve(spec, assignment)
+        finally:
+            pulse.stop()
+
+    async def _serve(self, spec: PipelineSpec, assignment: Assignment) -> int:
+        """Set the stage up and serve it until told to stop; the exit code."""
+        try:
             plan = build_plan(spec).stages[self.stage]
             # Before setup, so that the threads it starts (torch's) inherit the policy.
             apply_scheduling(plan.spec.scheduling)
@@ -348,7 +374,7 @@ class _Worker:
         self.send_control(Ready(self.stage, self.replica))
         log.info("stage_started", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
         defaults = spec.defaults
-        code = await self._heartbeat(defaults.heartbeat_interval, 2 * defaults.heartbeat_timeout)
+        code = await self._watch_master(defaults.heartbeat_interval, 2 * defaults.heartbeat_timeout)
         await actor.aclose()
         await self._teardown(instance)
         return code
@@ -369,25 +395,6 @@ class _Worker:
             await instance.teardown()
         except Exception as exc:
             log.warning("stage_teardown_failed", stage=self.stage, error=repr(exc))
-
-    async def _heartbeat(self, interval: float, master_timeout: float) -> int:
-        actor = self.actor
-        assert actor is not None
-        pulse = Pulse(
-            self.zctx,
-            self.master,
-            self.identity,
-            self.stage,
-            self.replica,
-            interval,
-            lambda: actor.inflight,
-            actor.take_released,
-        )
-        pulse.start()
-        try:
-            return await self._watch_master(interval, master_timeout)
-        finally:
-            pulse.stop()
 
     async def _watch_master(self, interval: float, master_timeout: float) -> int:
         assert self.actor is not None

@@ -8,13 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import zmq
 
 from pipeline._actor import StageActor
 from pipeline._channel import OutputChannel, SendTarget
 from pipeline._messages import FailureInfo, Peer, encode_batch
 from pipeline._signature import PipelinePlan, build_plan
-from pipeline._sockets import Outbox
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
 
@@ -23,7 +21,6 @@ def _echo_actor(
     plan: PipelinePlan,
     send: Callable[[str, Any], None],
     report: Callable[[FailureInfo], None],
-    outbox: Outbox | None = None,
 ) -> StageActor:
     """The actor of replica 0 of ``plan``'s stage ``echo``, at ``inproc://echo``."""
     stage = plan.stages["echo"]
@@ -38,7 +35,6 @@ def _echo_actor(
         endpoint="inproc://echo",
         send=send,
         report_failure=report,
-        outbox=outbox,
     )
 
 
@@ -114,54 +110,35 @@ async def test_a_message_that_readies_a_handler_runs_it_before_the_reader_return
 
 
 @pytest.mark.parametrize("transport", ["inline", "shm"])
-async def test_a_request_is_released_once_what_it_sent_has_left_and_nothing_waits_here(
-    transport: str,
-) -> None:
-    """A replica tells the master (through its heartbeat's ``take_released``) that it is done
-    with a request only when its handler ended and the envelopes it sent have left the
-    process, and never when a payload waits in this process to be read (shm)."""
-    zctx: zmq.Context[Any] = zmq.Context()
-    outbox = Outbox(zctx)
-    # The edge under test is echo -> next: edges to and from the client are always inline.
+async def test_a_replica_reports_its_ended_and_drained_requests(transport: str) -> None:
+    """The heartbeat thread's ``take_reports``: a request whose inputs all arrived here is
+    drained; one whose handler ended here is ended, unless a payload it sent waits in this
+    process to be read (shm), which only its own end can free."""
     plan = build_plan(
         spec({"echo": ":Echo", "next": ":Echo"}, [("echo", "next")], transport=transport)
     )
-    stage = plan.stages["echo"]
     reported: list[FailureInfo] = []
-    actor = _echo_actor(plan, outbox.send, reported.append, outbox)
+    sent: list[Any] = []
+    actor = _echo_actor(plan, lambda _endpoint, msg: sent.append(msg), reported.append)
     peers = {"echo": {0: Peer("inproc://echo", "h")}, "next": {0: Peer("inproc://next", "h")}}
     actor.set_peers(peers, Peer("inproc://client", "h"))
-    sent: list[Any] = []
     client = OutputChannel(
-        stage.inputs["text"], host="h", endpoint="inproc://client", send=lambda _, r: sent.append(r)
+        plan.stages["echo"].inputs["text"],
+        host="h",
+        endpoint="inproc://client",
+        send=lambda _, r: sent.append(r),
     )
     try:
         actor.admit("r1", {"echo": 0, "next": 0})
-        await client.send(
-            "r1", client.codec.encode(Text("hi")), True, SendTarget("inproc://echo", "h")
-        )
-        (run,) = sent
-        loop = asyncio.get_running_loop()
-        before: asyncio.Future[tuple[int, bool, list[str]]] = loop.create_future()
-
-        def read() -> None:  # as a socket reader calls it, but with no flush after it
-            actor.on_data([encode_batch([run.seal()])])
-            before.set_result((actor.inflight, outbox.pending, actor.take_released()))
-
-        loop.call_soon(read)
-        inflight, pending, released = await asyncio.wait_for(before, 5)
-        if transport == "inline":
-            # The handler ended within the read, its output queued, not yet sent.
-            assert (inflight, pending, released) == (0, True, []), reported
-        else:
-            assert released == []  # an shm put waits for the loop: the handler runs on
+        encoded = client.codec.encode(Text("hi"))
+        assert client.try_send("r1", encoded, True, SendTarget("inproc://echo", "h"))
+        run = sent.pop()
+        assert actor.take_reports() == ([], [])
+        actor.on_data([encode_batch([run.seal()])])
         await wait_for(lambda: not actor.inflight, 5)
         assert actor.counts["completed"] == 1, reported
-        outbox.flush()
-        assert actor.take_released() == (["r1"] if transport == "inline" else [])
-        assert actor.take_released() == []
+        assert actor.take_reports() == (["r1"] if transport == "inline" else [], ["r1"])
+        assert actor.take_reports() == ([], [])
     finally:
         await client.aclose()
         await actor.aclose()
-        outbox.close()
-        zctx.term()

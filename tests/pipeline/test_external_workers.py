@@ -298,6 +298,40 @@ async def test_a_second_worker_for_a_live_replica_is_refused_and_one_gone_quiet_
         kill_all(procs)
 
 
+async def test_a_second_worker_is_refused_while_the_first_is_still_setting_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker beats from its registration on, through its setup (a model loading): a
+    second worker for its slot is refused then too. (Its first beat used to come after its
+    setup, so the newcomer displaced it, and the master's start-up failed.)"""
+    config = tmp_path / "slow.yaml"
+    config.write_text(
+        "name: slow\n"
+        "defaults: {heartbeat_interval: 100ms, startup_timeout: 60s}\n"
+        "stages:\n"
+        '  echo: {impl: "tests.pipeline.sample_stages:HangingSetup"}\n'
+    )
+    monkeypatch.setenv("STAGEWIRE_LOG_LEVEL", "info")  # the master's log says who registered
+    err = tmp_path / "master.err"
+    master = f"tcp://127.0.0.1:{free_port()}"
+    procs = [_start("master", str(config), "--bind", master, err=err)]
+    try:
+        await workers_announced(err)
+        first = _start("worker", "--master", master, "--stage", "echo", "--headless",
+                       err=tmp_path / "first.err")  # fmt: skip
+        procs.append(first)
+        await wait_for(lambda: f'"pid": {first.pid}' in err.read_text(), 60)  # registered
+        second = _start("worker", "--master", master, "--stage", "echo", "--headless",
+                        err=tmp_path / "second.err")  # fmt: skip
+        procs.append(second)
+        assert await asyncio.to_thread(second.wait, 60) == 3
+        text = (tmp_path / "second.err").read_text()
+        assert f"already served, by pid {first.pid}" in text, text
+        assert first.poll() is None and procs[0].poll() is None
+    finally:
+        kill_all(procs)
+
+
 # ---- stagewire master + stagewire submit ---------------------------------------------------
 
 

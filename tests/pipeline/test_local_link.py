@@ -190,6 +190,33 @@ async def test_outbox_falls_back_to_zmq_when_no_link_opens() -> None:
         ctx.term()
 
 
+async def test_an_outbox_drops_what_is_sent_to_a_forgotten_endpoint() -> None:
+    """A consumer may go on crediting a producer that died (the request no longer needed
+    it): once forgotten, its endpoint gets no new socket, which would reconnect for ever,
+    until a peer table names it again."""
+    ctx = new_context()
+    import zmq
+
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    outbox = Outbox(ctx)
+    try:
+        outbox.forget(endpoint)
+        outbox.send(endpoint, b"\xc0")
+        outbox.flush()
+        assert outbox.dropped == 1 and not pull.poll(200)
+        assert endpoint not in outbox._socks
+        outbox.reachable([endpoint])
+        outbox.send(endpoint, b"\xc0")
+        outbox.flush()
+        assert pull.poll(5000) and pull.recv() == b"\x91\xc0"
+    finally:
+        outbox.close()
+        pull.close()
+        ctx.term()
+
+
 async def test_a_local_pipeline_moves_its_data_over_local_links() -> None:
     s = spec({"first": ":Echo", "second": ":Echo"}, [("first", "second")])
     async with Pipeline(s) as pipe:

@@ -150,6 +150,38 @@ async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_nee
         assert await finished == Text("a b c")
 
 
+async def test_a_replica_whose_output_its_consumer_has_not_had_is_not_done_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer's handler ended, but its consumer (stopped here, as a congested host would
+    be) has not had the request's input arrive: the chunk may still be in the producer's own
+    socket queue (ZMQ, as between hosts), so the producer is not done with the request, and
+    its death fails it. (Releasing it at the producer's flush left it hanging for ever: the
+    frame died with the process, and no stage knew of the request.)"""
+    monkeypatch.setenv("STAGEWIRE_LOCAL_LINKS", "0")  # every hop over ZMQ, as across hosts
+    s = spec({"src": ":Echo", "sink": ":Echo"}, [("src", "sink")], heartbeat_interval="50ms",
+             heartbeat_timeout="30s", transport="inline")  # fmt: skip
+    async with Pipeline(s) as pipe:
+        assert await pipe.submit(Text("warm")) == Text("warm")
+        orch = pipe._master_or_fail().orch
+        sink = pipe.worker_pids[("sink", 0)]
+        os.kill(sink, signal.SIGSTOP)
+        try:
+            request = asyncio.ensure_future(pipe.submit(Text("x" * (8 << 20))))
+
+            def src_ended() -> bool:
+                return any("src" in req.ended for req in orch.requests.values())
+
+            await wait_for(src_ended, 20)
+            (rid,) = orch.requests
+            assert rid in orch.replicas["src"][0].requests  # not done with it
+            os.kill(pipe.worker_pids[("src", 0)], signal.SIGKILL)
+            with pytest.raises(StageUnavailable, match="src"):
+                await asyncio.wait_for(request, 20)
+        finally:
+            os.kill(sink, signal.SIGCONT)
+
+
 async def test_garbage_on_sockets_is_dropped_and_counted() -> None:
     """Garbage on a worker's data port and the master's control port is counted, not fatal."""
     async with Pipeline(spec({"echo": ":Echo"}, [])) as pipe:
