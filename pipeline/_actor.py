@@ -447,7 +447,13 @@ class StageActor:
         self.counts["duplicates"] += file_run(inflow, run, items)
         if buf.buffered > self.peak_buffered:
             self.peak_buffered = buf.buffered
-        if run.final and not req.drained and all(f.buffer.complete for f in req.inflows.values()):
+        # (Runs of one producer arrive in order, but a final one may come before a gap in
+        # the stream is filled: each run after it looks again.)
+        if (
+            not req.drained
+            and buf.final_seq is not None
+            and all(f.buffer.complete for f in req.inflows.values())
+        ):
             req.drained = True
             self._report(DRAINED, rid)
         self._maybe_start(req)

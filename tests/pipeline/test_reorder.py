@@ -366,3 +366,17 @@ def test_a_repeat_of_a_buffered_chunk_is_not_released() -> None:
     assert not buf.offer(0, (0, 0), False)  # already delivered
     assert buf.duplicates == 3
     assert discarded == [(1, 1), (0, 0)]
+
+
+async def test_complete_once_every_chunk_up_to_the_final_one_arrived() -> None:
+    """What a stage reports as drained: the final chunk and every one before it arrived,
+    in any order, delivered or not."""
+    buf, _ = make()
+    buf.offer(0, (0, 0), False)
+    assert not buf.complete
+    buf.offer(2, (2, 0), True)  # the final one, before a gap is filled
+    assert not buf.complete
+    assert buf.get_nowait() == ((0, 0), False)
+    buf.offer(1, (1, 0), False)
+    assert buf.complete
+    assert buf.get_nowait() == ((1, 0), False) and buf.complete
