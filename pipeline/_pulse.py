@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,11 @@ from pipeline._security import process_keys, secure_client
 from pipeline._sockets import for_endpoint
 
 __all__ = ("Pulse", "pulse_identity")
+
+#: How soon what a worker has to report of its requests goes, in seconds (with a beat of
+#: its own, when the heartbeat interval is longer): a request its producer is done with
+#: outlives the producer's death only once the master knows.
+REPORT_EVERY_S = 0.1
 
 
 def pulse_identity(control_identity: bytes) -> bytes:
@@ -66,17 +72,21 @@ class Pulse:
         # Heartbeats must not pile up while the master is unreachable: keep only a few.
         sock.setsockopt(zmq.SNDHWM, 4)
         for_endpoint(sock, self._master).connect(self._master)
+        due = 0.0  # when the next beat is due even with nothing to report
         try:
             while not self._stopped.is_set():
                 # Reading an int another thread updates is safe under the GIL; a stale value
                 # only delays the master's view of the load by one beat.
                 ended, drained = self._reports() if self._reports is not None else ((), ())
-                beat = Heartbeat(
-                    self._stage, self._replica, self._inflight(), tuple(ended), tuple(drained)
-                )
-                with contextlib.suppress(zmq.Again):
-                    sock.send(_encode(beat), zmq.NOBLOCK)
-                self._stopped.wait(self._interval)
+                now = time.monotonic()
+                if ended or drained or now >= due:
+                    beat = Heartbeat(
+                        self._stage, self._replica, self._inflight(), tuple(ended), tuple(drained)
+                    )
+                    with contextlib.suppress(zmq.Again):
+                        sock.send(_encode(beat), zmq.NOBLOCK)
+                    due = now + self._interval
+                self._stopped.wait(min(self._interval, REPORT_EVERY_S))
         finally:
             sock.close(linger=0)
 
