@@ -84,16 +84,18 @@ class Collect(Stage):
 
 
 class Lingers(Stage):
-    """Joins its tokens, then works on for ``hold`` seconds: a long decode going on after
-    its input's producer has finished its part."""
-
-    class Params(BaseModel):
-        hold: float = 4.0
+    """Joins its tokens, then works on until a line comes through the FIFO named by the
+    LINGER_FIFO environment variable (at most 60 s): a long decode going on after its
+    input's producer has finished its part, for as long as the test needs."""
 
     async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
-        assert isinstance(self.params, Lingers.Params)
         words = [token.value async for token in tokens]
-        await asyncio.sleep(self.params.hold)
+
+        def released() -> str:
+            with open(os.environ["LINGER_FIFO"]) as fifo:  # blocks until a writer opens it
+                return fifo.readline()
+
+        await asyncio.wait_for(asyncio.to_thread(released), 60)
         return Text(" ".join(words))
 
 

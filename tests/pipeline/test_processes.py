@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -124,12 +125,16 @@ async def test_kill_9_worker_fails_only_its_requests() -> None:
         assert [o.value for o in outs] == [f"n{i}" for i in range(10)]
 
 
-async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_needing_it() -> None:
+async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_needing_it(
+    tmp_path: Path,
+) -> None:
     """kill -9 of a source replica fails the request it still serves, but not one whose part
-    it finished (its handler ended, its chunks left inside their envelopes, and its
-    heartbeat said so) while the sink still works on it: that one completes."""
+    it finished (its handler ended, its chunks left inside their envelopes, and the sink
+    said it had them all) while the sink still works on it: that one completes."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
     s = spec(
-        {"src": ":Tokens", "sink": {"impl": ":Lingers", "params": {"hold": 4}}},
+        {"src": ":Tokens", "sink": {"impl": ":Lingers", "env": {"LINGER_FIFO": str(fifo)}}},
         [("src", "sink")],
         # What workers report of their requests goes within 0.1 s, beats or not.
         heartbeat_interval="10s",
@@ -144,11 +149,17 @@ async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_nee
             active = (await pipe.statistics())["client"]["active"]
             return active == 2 and len(src.requests) == 1
 
-        await wait_for(released, timeout=2)
-        assert not finished.done()  # the sink still holds it
-        os.kill(pipe.worker_pids[("src", 0)], signal.SIGKILL)
-        with pytest.raises(StageUnavailable, match="src"):
-            await stalled
+        try:
+            await wait_for(released, timeout=10)
+            os.kill(pipe.worker_pids[("src", 0)], signal.SIGKILL)
+            with pytest.raises(StageUnavailable, match="src"):
+                await stalled
+            assert not finished.done()  # the sink holds it until told through the FIFO
+        finally:
+            with contextlib.suppress(OSError):  # no reader (a failure before it read)
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, b"go\n")
+                os.close(fd)
         assert await finished == Text("a b c")
 
 
