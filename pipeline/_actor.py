@@ -201,6 +201,8 @@ class StageActor:
             e.name: (param, InputChannel(e, host=host, send=send))
             for param, e in plan.inputs.items()
         }
+        for _, channel in self._inputs_by_edge.values():
+            channel.on_got_all = self._got_all
         self._outputs: dict[str, OutputChannel] = {
             dst: OutputChannel(e, host=host, endpoint=endpoint, send=send)
             for dst, e in plan.outputs.items()
@@ -220,7 +222,7 @@ class StageActor:
         self._starting: list[_Request] | None = None
         self._finished: OrderedDict[str, None] = OrderedDict()
         #: What the master learns with the next heartbeat, as (kind, request id): which
-        #: requests ended here, and which had all their inputs arrive (see take_reports).
+        #: requests ended here, and which have all their inputs here (see take_reports).
         self._reports: deque[tuple[int, str]] = deque()
         self._sem = asyncio.Semaphore(plan.spec.max_concurrency)
         self._streaming_out = plan.signature.streaming_output
@@ -449,14 +451,22 @@ class StageActor:
             self.peak_buffered = buf.buffered
         # (Runs of one producer arrive in order, but a final one may come before a gap in
         # the stream is filled: each run after it looks again.)
-        if (
-            not req.drained
-            and buf.final_seq is not None
-            and all(f.buffer.complete for f in req.inflows.values())
-        ):
-            req.drained = True
-            self._report(DRAINED, rid)
+        if not req.drained and buf.final_seq is not None:
+            self._note_drained(req)
         self._maybe_start(req)
+
+    def _got_all(self, request_id: str) -> None:
+        """A reader got the last payload of ``request_id`` on an edge that fetches some."""
+        req = self._requests.get(request_id)
+        if req is not None and not req.drained:
+            self._note_drained(req)
+
+    def _note_drained(self, req: _Request) -> None:
+        """Report ``req`` drained once this process has all its payloads: each arrived inside
+        its envelope, or was got from a transport whose payloads outlive their producer."""
+        if all(f.drained for f in req.inflows.values()):
+            req.drained = True
+            self._report(DRAINED, req.request_id)
 
     def _evict_unadmitted(self) -> bool:
         """Make room by forgetting the oldest request whose chunks came but no Admit.
@@ -578,8 +588,8 @@ class StageActor:
 
     def _note_ended(self, req: _Request) -> None:
         """The handler of ``req`` ended: its inputs are no longer needed (read to their ends,
-        or given up), and, unless a payload it sent waits here to be read (shm, network and
-        cuda_ipc keep theirs in this process), what it sent is in its envelopes."""
+        or given up), and, unless it sent a payload that needs this process even once got
+        (cuda_ipc), what it sent no longer needs this process once its consumers have it."""
         rid = req.request_id
         if not req.drained:
             req.drained = True
@@ -588,14 +598,16 @@ class StageActor:
             self._report(ENDED, rid)
 
     def take_reports(self) -> tuple[list[str], list[str]]:
-        """The requests whose handler ended here (every payload inside its envelopes), and
-        those whose every input has arrived here, since the last call.
+        """The requests whose handler ended here (nothing it sent needs this process once
+        got), and those that have all their payloads here, since the last call: each arrived
+        inside its envelope, or was got from a transport whose payloads outlive their
+        producer (shm, network).
 
         The master counts a replica done with a request once it ended there and every
-        stage it sends to has had all of the request's inputs arrive: nothing of it is then
-        left in this process, in a socket's queue or elsewhere, and its death need not fail
-        the request. Called from the heartbeat thread, the only one that takes from the
-        queue.
+        stage it sends to has all of the request's payloads: nothing of it is then needed
+        from this process, in a socket's queue, a shared-memory segment or elsewhere, and
+        its death need not fail the request. Called from the heartbeat thread, the only one
+        that takes from the queue.
         """
         reports = self._reports
         ended: list[str] = []

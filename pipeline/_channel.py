@@ -190,6 +190,8 @@ def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
     buffer = inflow.buffer
     seq = run.first
     inflow.sender = run.sender
+    if run.transport and run.transport != "inline":
+        inflow.fetches = True
     if run.credit:
         # The producer waits for credit once this run's last chunk is taken.
         asked = seq + len(items)
@@ -220,7 +222,9 @@ class Inflow:
         "asked",
         "buffer",
         "credit_due",
+        "fetches",
         "fetching",
+        "got_all",
         "held",
         "sender",
         "taken",
@@ -247,6 +251,16 @@ class Inflow:
         #: The next chunk's fetch, still running after the read that started it was
         #: cancelled (a handler's own timeout): the next read takes its payload.
         self.fetching: tuple[asyncio.Task[Any], Item, bool] | None = None
+        #: A chunk came by a transport its payload is fetched from (not inside its envelope).
+        self.fetches = False
+        #: The reader has taken the final chunk (or the stream's end).
+        self.got_all = False
+
+    @property
+    def drained(self) -> bool:
+        """Whether this process has all of the request's payloads on this edge: every chunk
+        arrived, and those carried by a transport were got (or the reader is done)."""
+        return self.buffer.complete and (self.got_all or not self.fetches)
 
     def reading(self, item: Item) -> bool:
         """Whether ``item`` is the chunk the reader has taken and not yet finished with."""
@@ -358,7 +372,8 @@ class _Window:
         self.waiter: asyncio.Future[None] | None = None
         #: The run the next chunk may join, until the outbox seals it.
         self.run: _Run | None = None
-        #: A chunk went by a transport that keeps its payload here until read (not inline).
+        #: A chunk went by a transport whose payload needs this process even after its
+        #: consumer got it (see ``TransportCapabilities.survives_producer``).
         self.held = False
 
 
@@ -415,6 +430,13 @@ class OutputChannel:
             n
             for n in edge.names
             if getattr(resolve_transport(n).capabilities, "device_buffers", False)
+        )
+        # Transports whose payloads need this process even once their consumer got them
+        # (cuda_ipc's imported memory): a request that sent by one is never done here early.
+        self._needs_producer = frozenset(
+            n
+            for n in edge.names
+            if not getattr(resolve_transport(n).capabilities, "survives_producer", False)
         )
         self.chunks = 0
         self.bytes = 0
@@ -666,7 +688,7 @@ class OutputChannel:
     ) -> None:
         """Add chunk ``seq`` to the request's open run, or start a run and queue it."""
         self.chunks += 1
-        if name and name != "inline":
+        if name in self._needs_producer:
             win.held = True
         win.sizes.append(nbytes)
         win.in_flight += nbytes
@@ -740,8 +762,9 @@ class OutputChannel:
                 gone(endpoints)
 
     def held_here(self, request_id: str) -> bool:
-        """Whether a chunk of ``request_id`` went by a transport that keeps its payload in
-        this process until read (shm, network, cuda_ipc), rather than inside its envelope."""
+        """Whether a chunk of ``request_id`` went by a transport whose payload needs this
+        process even after its consumer got it (cuda_ipc), so that only this process's own
+        end may free it."""
         win = self._windows.get(request_id)
         return win is not None and win.held
 
@@ -830,6 +853,9 @@ class InputChannel:
         self._open = 0
         self.hop = LatencyRecorder()
         self.chunks = 0
+        #: Called with a request's id when its reader got the last of its payloads on this
+        #: edge and one of them was fetched from a transport (see :attr:`Inflow.drained`).
+        self.on_got_all: Callable[[str], None] | None = None
 
     def receiver(self, name: str) -> TransportReceiver:
         """The receiving end of transport ``name`` on this edge, opened on first use.
@@ -932,7 +958,9 @@ class InputChannel:
             return NOT_READY
         value = inline.read(descriptor, self._codec)  # type: ignore[arg-type]
         inflow.taken += 1
-        if not final and inflow.taken >= inflow.credit_due:
+        if final:
+            self._got_all(inflow)
+        elif inflow.taken >= inflow.credit_due:
             self._credit(inflow, sender)
         return value
 
@@ -985,7 +1013,9 @@ class InputChannel:
             raise EndOfChannel(inflow.buffer.request_id)
         inflow.fetching = None
         inflow.taken += 1
-        if not final and inflow.taken >= inflow.credit_due:
+        if final:
+            self._got_all(inflow)
+        elif inflow.taken >= inflow.credit_due:
             self._credit(inflow, item[2])
         return value
 
@@ -994,14 +1024,23 @@ class InputChannel:
         descriptor = item[1]
         if descriptor is None:
             if final:
+                self._got_all(inflow)
                 raise EndOfChannel
             raise PayloadError(f"chunk without payload on edge {self.plan.name!r} before its end")
         assert self._inline is not None
         value = self._inline.read(descriptor, self._codec)  # type: ignore[arg-type]
         inflow.taken += 1
-        if not final and inflow.taken >= inflow.credit_due:
+        if final:
+            self._got_all(inflow)
+        elif inflow.taken >= inflow.credit_due:
             self._credit(inflow, item[2])
         return value
+
+    def _got_all(self, inflow: Inflow) -> None:
+        """The reader took the final chunk: tell the owner, if a chunk had to be fetched."""
+        inflow.got_all = True
+        if inflow.fetches and self.on_got_all is not None:
+            self.on_got_all(inflow.buffer.request_id)
 
     def _credit(self, inflow: Inflow, sender: str) -> None:
         """Tell ``sender`` that every chunk taken so far may be replaced by new ones, and how

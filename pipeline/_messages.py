@@ -195,8 +195,8 @@ class SetupFailed(_Msg, frozen=True, tag="setup_failed"):
 
 class Heartbeat(_Msg, frozen=True, tag="hb"):
     """Liveness, both ways; ``inflight`` counts requests the sender holds. From a worker,
-    since its last beat: ``ended``, requests whose handler ended there with every payload
-    inside its envelopes; ``drained``, requests all of whose inputs arrived there whole
+    since its last beat: ``ended``, requests whose handler ended there, nothing it sent
+    needing that process once got; ``drained``, requests all of whose payloads are there
     (see ``StageActor.take_reports``)."""
 
     stage: str

@@ -439,14 +439,14 @@ class Orchestrator:
         return True
 
     def stage_reported(self, stage: str, ended: Sequence[str], drained: Sequence[str]) -> None:
-        """A replica of ``stage`` tells (in its heartbeat) which requests ended there with
-        every payload inside its envelopes, and which had all their inputs arrive there.
+        """A replica of ``stage`` tells (in its heartbeat) which requests ended there, and
+        which have all their payloads there (see ``StageActor.take_reports``).
 
         A replica is done with a request once the request ended there and every stage it
-        sends to has had all the request's inputs arrive: nothing it sent can still be in
-        its process (a socket's queue included). Should it die then, the request goes on;
-        it no longer counts toward the replica's load either. A sink is never done early:
-        the client's own reading ends the request.
+        sends to has all the request's payloads: nothing it sent is still needed from its
+        process (a socket's queue or a shared-memory segment included). Should it die then,
+        the request goes on; it no longer counts toward the replica's load either. A sink is
+        never done early: the client's own reading ends the request.
         """
         requests = self.requests
         for rid in drained:

@@ -21,6 +21,7 @@ decode, ``release``), and reads ``transport.capabilities`` to decide what to exp
   holds a 1 MiB tensor);
 - ``detects_stale``: a released descriptor must be refused rather than read;
 - ``host_local``: a descriptor used by a receiver on another host must be refused.
+- ``survives_producer``: a payload got must stay whole after its sender closes.
 
 Randomised tests print their seed; set ``STAGEWIRE_CONFORMANCE_SEED`` to replay one.
 """
@@ -458,6 +459,35 @@ class TransportConformance:
             churn, _ = await _carry(sender, receiver, _key(), _blob(r, self.fill_chunk_bytes))
             await _within(receiver.release(churn), "release")
         _assert_same_tensor(kept, want, "a tensor decoded before release")
+
+    @pytest.mark.asyncio
+    async def test_a_payload_got_outlives_its_sender(
+        self, transport: Transport, sender: TransportSender, receiver: TransportReceiver
+    ) -> None:
+        """With ``survives_producer``, what ``get`` returned stays whole once its sender has
+        closed (all a dying producer's end can do to it), and its release then raises
+        nothing; a received descriptor not yet got may fail, but only with TransportError."""
+        if not transport.capabilities.survives_producer:
+            pytest.skip("the transport does not declare survives_producer")
+        codec = codec_for(_Tensors)
+        want = torch.arange(self.fill_chunk_bytes // 8, dtype=torch.int64)
+        raw = _blob(3, self.fill_chunk_bytes)
+        desc, got = await _carry(sender, receiver, _key(), codec.encode(_Tensors("kept", [want])))
+        raw_desc, raw_got = await _carry(sender, receiver, _key(), raw)
+        late_key = _key()
+        late = _through_envelope(receiver, late_key, await _put(sender, late_key, raw))
+        kept = codec.decode(got).tensors[0]
+        await _within(sender.aclose(), "sender aclose")
+        _assert_same_tensor(kept, want, "a tensor got before its sender closed")
+        assert _raw(raw_got) == _raw(raw), "a payload got before its sender closed changed"
+        await _release_all(receiver, [desc, raw_desc])
+        try:
+            late_got = await _within(receiver.get(late), "get of a payload whose sender closed")
+        except TransportError:
+            pass
+        else:
+            assert _raw(late_got) == _raw(raw), "a payload whose sender closed read changed"
+        await _within(receiver.release(late), "release of a payload whose sender closed")
 
     @pytest.mark.asyncio
     async def test_stale_descriptor(

@@ -70,12 +70,17 @@ class TransportCapabilities:
         host_local: descriptors name host-local resources and fail on other hosts.
         device_buffers: ``put`` accepts payloads whose tensors are still on a CUDA device
             (``Encoded.device_buffers``); without it the runtime copies them to host first.
+        survives_producer: a payload that ``get`` returned stays whole and readable after
+            its producer's process dies (a mapping the consumer holds, or bytes it fetched).
+            The runtime then counts a producer done with a request once its consumers have
+            got every payload, so that producer's death no longer fails the request.
     """
 
     bounded: bool = False
     detects_stale: bool = False
     host_local: bool = False
     device_buffers: bool = False
+    survives_producer: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,7 +189,7 @@ class InlineTransport:
     """Payloads inside the envelope: no copies beyond the envelope's own, no resources."""
 
     name: ClassVar[str] = "inline"
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities()
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(survives_producer=True)
 
     def __init__(self, **options: object) -> None:
         if options:

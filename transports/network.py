@@ -72,7 +72,7 @@ class NetworkTransport:
 
     name: ClassVar[str] = "network"
     capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
-        bounded=True, detects_stale=True, host_local=False
+        bounded=True, detects_stale=True, host_local=False, survives_producer=True
     )
 
     def __init__(

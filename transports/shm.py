@@ -71,7 +71,7 @@ class ShmTransport:
 
     name: ClassVar[str] = "shm"
     capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
-        bounded=True, detects_stale=True, host_local=True
+        bounded=True, detects_stale=True, host_local=True, survives_producer=True
     )
 
     def __init__(self, **options: object) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -109,36 +110,50 @@ async def test_a_message_that_readies_a_handler_runs_it_before_the_reader_return
         await actor.aclose()
 
 
-@pytest.mark.parametrize("transport", ["inline", "shm"])
-async def test_a_replica_reports_its_ended_and_drained_requests(transport: str) -> None:
-    """The heartbeat thread's ``take_reports``: a request whose inputs all arrived here is
-    drained; one whose handler ended here is ended, unless a payload it sent waits in this
-    process to be read (shm), which only its own end can free."""
-    plan = build_plan(
-        spec({"echo": ":Echo", "next": ":Echo"}, [("echo", "next")], transport=transport)
-    )
+PLUGIN = "tests.transports.plugin_transport:EchoTransport"
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm", "plugin"])
+async def test_a_replica_reports_its_ended_and_drained_requests(
+    transport: str, tmp_path: Path
+) -> None:
+    """The heartbeat thread's ``take_reports``: a request is drained here once every payload
+    of it is here (inline: on arrival; shm: once the handler got it), and ended once its
+    handler ended, unless it sent a payload by a transport that does not declare
+    ``survives_producer`` (the plug-in), which only this process's own end may free."""
+    edge: Any = transport
+    if transport == "plugin":
+        edge = {"kind": PLUGIN, "options": {"directory": str(tmp_path), "capacity": 2**20}}
+    stages = {"up": ":Echo", "echo": {"impl": ":Echo", "max_concurrency": 1}, "next": ":Echo"}
+    plan = build_plan(spec(stages, [("up", "echo"), ("echo", "next")], transport=edge))
     reported: list[FailureInfo] = []
     sent: list[Any] = []
     actor = _echo_actor(plan, lambda _endpoint, msg: sent.append(msg), reported.append)
-    peers = {"echo": {0: Peer("inproc://echo", "h")}, "next": {0: Peer("inproc://next", "h")}}
+    peers = {name: {0: Peer(f"inproc://{name}", "h")} for name in ("up", "echo", "next")}
     actor.set_peers(peers, Peer("inproc://client", "h"))
-    client = OutputChannel(
-        plan.stages["echo"].inputs["text"],
+    up = OutputChannel(
+        plan.stages["up"].outputs["echo"],
         host="h",
-        endpoint="inproc://client",
+        endpoint="inproc://up",
         send=lambda _, r: sent.append(r),
     )
     try:
-        actor.admit("r1", {"echo": 0, "next": 0})
-        encoded = client.codec.encode(Text("hi"))
-        assert client.try_send("r1", encoded, True, SendTarget("inproc://echo", "h"))
+        actor.admit("r1", {"up": 0, "echo": 0, "next": 0})
+        encoded = up.codec.encode(Text("hi"))
+        await up.send("r1", encoded, True, SendTarget("inproc://echo", "h"))
         run = sent.pop()
         assert actor.take_reports() == ([], [])
-        actor.on_data([encode_batch([run.seal()])])
+        # The replica's only handler slot is taken: the chunk arrives, and waits unread.
+        async with actor._sem:
+            actor.on_data([encode_batch([run.seal()])])
+            await asyncio.sleep(0)
+            assert actor.inflight == 1
+            assert actor.take_reports() == ([], ["r1"] if transport == "inline" else [])
         await wait_for(lambda: not actor.inflight, 5)
         assert actor.counts["completed"] == 1, reported
-        assert actor.take_reports() == (["r1"] if transport == "inline" else [], ["r1"])
+        ended = [] if transport == "plugin" else ["r1"]
+        assert actor.take_reports() == (ended, [] if transport == "inline" else ["r1"])
         assert actor.take_reports() == ([], [])
     finally:
-        await client.aclose()
+        await up.aclose()
         await actor.aclose()

@@ -125,12 +125,14 @@ async def test_kill_9_worker_fails_only_its_requests() -> None:
         assert [o.value for o in outs] == [f"n{i}" for i in range(10)]
 
 
+@pytest.mark.parametrize("transport", ["inline", "shm", "network"])
 async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_needing_it(
-    tmp_path: Path,
+    tmp_path: Path, transport: str
 ) -> None:
     """kill -9 of a source replica fails the request it still serves, but not one whose part
-    it finished (its handler ended, its chunks left inside their envelopes, and the sink
-    said it had them all) while the sink still works on it: that one completes."""
+    it finished (its handler ended, and the sink said it had every payload: inline, inside
+    its envelope; by shm or network, got from the transport) while the sink still works on
+    it: that one completes, its shm segment unlinked under the sink's mapping."""
     fifo = tmp_path / "go"
     os.mkfifo(fifo)
     s = spec(
@@ -139,6 +141,7 @@ async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_nee
         # What workers report of their requests goes within 0.1 s, beats or not.
         heartbeat_interval="10s",
         heartbeat_timeout="30s",
+        transport=transport,
     )
     async with Pipeline(s) as pipe:
         finished = asyncio.ensure_future(pipe.submit(Text("a b c")))
