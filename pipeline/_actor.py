@@ -63,9 +63,9 @@ FINISHED_MEMORY = 65536
 REPORTS_MEMORY = 16384
 #: The most of them one heartbeat tells.
 REPORTS_PER_BEAT = 4096
-#: Report kinds: the request's handler ended here, every payload it sent inside its
-#: envelopes; every input of the request has arrived here, whole.
-ENDED, DRAINED = 0, 1
+#: In a report ``(request id, stage)``, the stage that says the request's handler ended
+#: here; any other names the upstream stage all of whose payloads of the request are here.
+ENDED = ""
 #: A handler that computed this long for one chunk, with no batch leaving meanwhile, is
 #: compute-bound: its chunks leave as they come (see :class:`_Pacer`).
 EAGER_SEND_S = 100e-6
@@ -144,7 +144,6 @@ class _Request:
         "admit",
         "created",
         "ctx",
-        "drained",
         "inflows",
         "request_id",
         "route",
@@ -166,8 +165,6 @@ class _Request:
         self.ctx: Context | None = None
         self.started = False
         self.created = time.monotonic()
-        #: Every input has arrived whole (or the handler ended): told to the master.
-        self.drained = False
 
 
 class StageActor:
@@ -201,8 +198,10 @@ class StageActor:
             e.name: (param, InputChannel(e, host=host, send=send))
             for param, e in plan.inputs.items()
         }
-        for _, channel in self._inputs_by_edge.values():
-            channel.on_got_all = self._got_all
+        #: The stage each input edge comes from: drained requests are reported per edge.
+        self._sources = {edge: ch.plan.src for edge, (_, ch) in self._inputs_by_edge.items()}
+        for edge, (_, channel) in self._inputs_by_edge.items():
+            channel.on_got_all = functools.partial(self._got_all, edge)
         self._outputs: dict[str, OutputChannel] = {
             dst: OutputChannel(e, host=host, endpoint=endpoint, send=send)
             for dst, e in plan.outputs.items()
@@ -221,9 +220,10 @@ class StageActor:
         #: once the whole message is filed.
         self._starting: list[_Request] | None = None
         self._finished: OrderedDict[str, None] = OrderedDict()
-        #: What the master learns with the next heartbeat, as (kind, request id): which
-        #: requests ended here, and which have all their inputs here (see take_reports).
-        self._reports: deque[tuple[int, str]] = deque()
+        #: What the master learns with the next heartbeat, as (request id, stage): which
+        #: requests ended here (:data:`ENDED`), and which have all the payloads of an
+        #: upstream stage here (that stage; see take_reports).
+        self._reports: deque[tuple[str, str]] = deque()
         self._sem = asyncio.Semaphore(plan.spec.max_concurrency)
         self._streaming_out = plan.signature.streaming_output
         self._stream_params = frozenset(i.name for i in plan.signature.inputs if i.streaming)
@@ -451,22 +451,26 @@ class StageActor:
             self.peak_buffered = buf.buffered
         # (Runs of one producer arrive in order, but a final one may come before a gap in
         # the stream is filled: each run after it looks again.)
-        if not req.drained and buf.final_seq is not None:
-            self._note_drained(req)
+        if not inflow.told and buf.final_seq is not None and inflow.drained:
+            self._tell_drained(rid, run.edge, inflow)
         self._maybe_start(req)
 
-    def _got_all(self, request_id: str) -> None:
-        """A reader got the last payload of ``request_id`` on an edge that fetches some."""
+    def _got_all(self, edge: str, request_id: str) -> None:
+        """A reader got the last payload of ``request_id`` on ``edge``, which fetches some."""
         req = self._requests.get(request_id)
-        if req is not None and not req.drained:
-            self._note_drained(req)
+        if req is not None:
+            inflow = req.inflows[edge]
+            if not inflow.told and inflow.drained:
+                self._tell_drained(request_id, edge, inflow)
 
-    def _note_drained(self, req: _Request) -> None:
-        """Report ``req`` drained once this process has all its payloads: each arrived inside
-        its envelope, or was got from a transport whose payloads outlive their producer."""
-        if all(f.drained for f in req.inflows.values()):
-            req.drained = True
-            self._report(DRAINED, req.request_id)
+    def _tell_drained(self, request_id: str, edge: str, inflow: Inflow) -> None:
+        """Report that every payload of ``request_id`` on ``edge`` is here: each arrived
+        inside its envelope, or was got from a transport whose payloads outlive their
+        producer (or the handler ended, needing no more)."""
+        inflow.told = True
+        src = self._sources[edge]
+        if src != CLIENT and len(self._reports) < REPORTS_MEMORY:
+            self._reports.append((request_id, src))
 
     def _evict_unadmitted(self) -> bool:
         """Make room by forgetting the oldest request whose chunks came but no Admit.
@@ -582,39 +586,40 @@ class StageActor:
                 self._note_ended(req)
                 self.forget(rid)
 
-    def _report(self, kind: int, rid: str) -> None:
-        if len(self._reports) < REPORTS_MEMORY:
-            self._reports.append((kind, rid))
-
     def _note_ended(self, req: _Request) -> None:
         """The handler of ``req`` ended: its inputs are no longer needed (read to their ends,
         or given up), and, unless it sent a payload that needs this process even once got
         (cuda_ipc), what it sent no longer needs this process once its consumers have it."""
         rid = req.request_id
-        if not req.drained:
-            req.drained = True
-            self._report(DRAINED, rid)
-        if not any(out.held_here(rid) for out in self._outputs.values()):
-            self._report(ENDED, rid)
+        for edge, inflow in req.inflows.items():
+            if not inflow.told:
+                self._tell_drained(rid, edge, inflow)
+        if not any(out.held_here(rid) for out in self._outputs.values()) and (
+            len(self._reports) < REPORTS_MEMORY
+        ):
+            self._reports.append((rid, ENDED))
 
-    def take_reports(self) -> tuple[list[str], list[str]]:
-        """The requests whose handler ended here (nothing it sent needs this process once
-        got), and those that have all their payloads here, since the last call: each arrived
-        inside its envelope, or was got from a transport whose payloads outlive their
-        producer (shm, network).
+    def take_reports(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """Since the last call: the requests whose handler ended here (nothing it sent
+        needs this process once got), and as (request id, upstream stage) those all of whose
+        payloads from that stage are here: each arrived inside its envelope, or was got from
+        a transport whose payloads outlive their producer (shm, network).
 
-        The master counts a replica done with a request once it ended there and every
-        stage it sends to has all of the request's payloads: nothing of it is then needed
+        The master counts a replica done with a request once it ended there and each stage
+        it sends to has all of its payloads of the request: nothing of it is then needed
         from this process, in a socket's queue, a shared-memory segment or elsewhere, and
         its death need not fail the request. Called from the heartbeat thread, the only one
         that takes from the queue.
         """
         reports = self._reports
         ended: list[str] = []
-        drained: list[str] = []
+        drained: list[tuple[str, str]] = []
         for _ in range(min(len(reports), REPORTS_PER_BEAT)):
-            kind, rid = reports.popleft()
-            (ended if kind == ENDED else drained).append(rid)
+            report = reports.popleft()
+            if report[1] == ENDED:
+                ended.append(report[0])
+            else:
+                drained.append(report)
         return ended, drained
 
     def _handler_failed(self, req: _Request, exc: Exception) -> None:

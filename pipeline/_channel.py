@@ -228,6 +228,7 @@ class Inflow:
         "held",
         "sender",
         "taken",
+        "told",
     )
 
     def __init__(
@@ -255,6 +256,8 @@ class Inflow:
         self.fetches = False
         #: The reader has taken the final chunk (or the stream's end).
         self.got_all = False
+        #: The owner has reported this inflow drained (a mark of the owner's own).
+        self.told = False
 
     @property
     def drained(self) -> bool:

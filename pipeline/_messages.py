@@ -196,14 +196,14 @@ class SetupFailed(_Msg, frozen=True, tag="setup_failed"):
 class Heartbeat(_Msg, frozen=True, tag="hb"):
     """Liveness, both ways; ``inflight`` counts requests the sender holds. From a worker,
     since its last beat: ``ended``, requests whose handler ended there, nothing it sent
-    needing that process once got; ``drained``, requests all of whose payloads are there
-    (see ``StageActor.take_reports``)."""
+    needing that process once got; ``drained``, (request id, upstream stage) pairs: all the
+    payloads of that request from that stage are there (see ``StageActor.take_reports``)."""
 
     stage: str
     replica: int
     inflight: int = 0
     ended: tuple[str, ...] = ()
-    drained: tuple[str, ...] = ()
+    drained: tuple[tuple[str, str], ...] = ()
 
 
 class Failed(_Msg, frozen=True, tag="failed"):

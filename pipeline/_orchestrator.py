@@ -81,10 +81,11 @@ class ClientRequest:
         self.pending: dict[str, asyncio.Task[Any]] = {}
         self.error: BaseException | None = None
         self.timer: asyncio.TimerHandle | None = None
-        #: The stages where the request's handler ended with its payloads all inline, and
-        #: those where all its inputs arrived: what tells when a replica is done with it.
+        #: The stages where the request's handler ended, and the edges, as (from, to), all of
+        #: whose payloads of it reached their consumer: what tells when a replica is done
+        #: with it (see Orchestrator.stage_reported).
         self.ended: set[str] = set()
-        self.drained: set[str] = set()
+        self.drained: set[tuple[str, str]] = set()
 
 
 class Orchestrator:
@@ -128,15 +129,11 @@ class Orchestrator:
         self._input_types = {
             src: next(iter(plan.stages[src].inputs.values())).payload_type for src in plan.sources
         }
-        #: The stages each stage sends to (empty for a sink, which sends to the client), and
-        #: those it reads from.
+        #: The edges, as (from, to), each stage sends by (none for a sink, which sends to
+        #: the client).
         self._downstream = {
-            name: () if CLIENT in st.outputs else tuple(st.outputs)
+            name: () if CLIENT in st.outputs else tuple((name, dst) for dst in st.outputs)
             for name, st in plan.stages.items()
-        }
-        self._upstream = {
-            name: tuple(up for up, down in self._downstream.items() if name in down)
-            for name in plan.stages
         }
         self._from_sinks = {
             sink: InputChannel(plan.stages[sink].outputs[CLIENT], host=host, send=send_data)
@@ -438,23 +435,25 @@ class Orchestrator:
         self.fail(rid, RequestAborted(rid, reason), outcome="aborted")
         return True
 
-    def stage_reported(self, stage: str, ended: Sequence[str], drained: Sequence[str]) -> None:
+    def stage_reported(
+        self, stage: str, ended: Sequence[str], drained: Sequence[tuple[str, str]]
+    ) -> None:
         """A replica of ``stage`` tells (in its heartbeat) which requests ended there, and
-        which have all their payloads there (see ``StageActor.take_reports``).
+        as (request id, upstream stage) which have all their payloads from that stage there
+        (see ``StageActor.take_reports``).
 
-        A replica is done with a request once the request ended there and every stage it
-        sends to has all the request's payloads: nothing it sent is still needed from its
-        process (a socket's queue or a shared-memory segment included). Should it die then,
-        the request goes on; it no longer counts toward the replica's load either. A sink is
-        never done early: the client's own reading ends the request.
+        A replica is done with a request once the request ended there and each stage it
+        sends to has all of its payloads of the request: nothing it sent is still needed
+        from its process (a socket's queue or a shared-memory segment included). Should it
+        die then, the request goes on; it no longer counts toward the replica's load either.
+        A sink is never done early: the client's own reading ends the request.
         """
         requests = self.requests
-        for rid in drained:
+        for rid, src in drained:
             req = requests.get(rid)
-            if req is not None:
-                req.drained.add(stage)
-                for up in self._upstream[stage]:
-                    self._release_if_done(req, up)
+            if req is not None and src in self._downstream:
+                req.drained.add((src, stage))
+                self._release_if_done(req, src)
         for rid in ended:
             req = requests.get(rid)
             if req is not None:

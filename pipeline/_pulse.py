@@ -48,7 +48,7 @@ class Pulse:
         replica: int,
         interval: float,
         inflight: Callable[[], int],
-        reports: Callable[[], tuple[list[str], list[str]]] | None = None,
+        reports: Callable[[], tuple[list[str], list[tuple[str, str]]]] | None = None,
     ) -> None:
         self._zctx = zctx
         self._master = master

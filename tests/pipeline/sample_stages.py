@@ -90,13 +90,18 @@ class Lingers(Stage):
 
     async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
         words = [token.value async for token in tokens]
-
-        def released() -> str:
-            with open(os.environ["LINGER_FIFO"]) as fifo:  # blocks until a writer opens it
-                return fifo.readline()
-
-        await asyncio.wait_for(asyncio.to_thread(released), 60)
+        await _line_through_fifo()
         return Text(" ".join(words))
+
+
+async def _line_through_fifo() -> None:
+    """Wait (at most 60 s) for a line through the FIFO that env LINGER_FIFO names."""
+
+    def released() -> str:
+        with open(os.environ["LINGER_FIFO"]) as fifo:  # blocks until a writer opens it
+            return fifo.readline()
+
+    await asyncio.wait_for(asyncio.to_thread(released), 60)
 
 
 class First(Stage):
@@ -236,6 +241,15 @@ class SlowEncode(Stage):
 
     async def process(self, pixels: Pixels, ctx: Context) -> Pixels:
         await asyncio.sleep(SLOW_ENCODE_S)
+        return Pixels([v * 2 for v in pixels.values])
+
+
+class GatedEncode(Stage):
+    """Doubles the pixel values once a line comes through the FIFO named by LINGER_FIFO: a
+    model's forward that takes as long as the test needs."""
+
+    async def process(self, pixels: Pixels, ctx: Context) -> Pixels:
+        await _line_through_fifo()
         return Pixels([v * 2 for v in pixels.values])
 
 

@@ -148,11 +148,11 @@ async def test_a_replica_reports_its_ended_and_drained_requests(
             actor.on_data([encode_batch([run.seal()])])
             await asyncio.sleep(0)
             assert actor.inflight == 1
-            assert actor.take_reports() == ([], ["r1"] if transport == "inline" else [])
+            assert actor.take_reports() == ([], [("r1", "up")] if transport == "inline" else [])
         await wait_for(lambda: not actor.inflight, 5)
         assert actor.counts["completed"] == 1, reported
         ended = [] if transport == "plugin" else ["r1"]
-        assert actor.take_reports() == (ended, [] if transport == "inline" else ["r1"])
+        assert actor.take_reports() == (ended, [] if transport == "inline" else [("r1", "up")])
         assert actor.take_reports() == ([], [])
     finally:
         await up.aclose()

@@ -166,6 +166,46 @@ async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_nee
         assert await finished == Text("a b c")
 
 
+async def test_a_replica_feeding_a_join_is_done_once_each_consumer_has_its_part(
+    tmp_path: Path,
+) -> None:
+    """pre feeds encode and, beside it, prefill, which joins both. Once encode and prefill
+    each have pre's payload, pre is done with the request, though prefill still waits for
+    encode's: kill -9 of pre then fails nothing (counted per stage, prefill would not have
+    been drained until encode's part came)."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    s = spec(
+        {
+            "pre": ":Pre",
+            "encode": {"impl": ":GatedEncode", "env": {"LINGER_FIFO": str(fifo)}},
+            "prefill": ":Prefill",
+        },
+        [("pre", "encode"), ("pre", "prefill"), ("encode", "prefill")],
+        heartbeat_interval="10s",
+        heartbeat_timeout="30s",
+    )
+    async with Pipeline(s) as pipe:
+        request = asyncio.ensure_future(pipe.submit(Text("abc")))
+        orch = pipe._master_or_fail().orch
+        pre = orch.replicas["pre"][0]
+
+        def pre_done() -> bool:
+            return len(orch.requests) == 1 and not pre.requests
+
+        try:
+            await wait_for(pre_done, timeout=10)
+            os.kill(pipe.worker_pids[("pre", 0)], signal.SIGKILL)
+            await wait_for(lambda: not orch.replicas["pre"][0].ready, timeout=40)
+            assert not request.done()
+        finally:
+            with contextlib.suppress(OSError):  # no reader (a failure before it read)
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, b"go\n")
+                os.close(fd)
+        assert await asyncio.wait_for(request, 20) == Text("abc|3")
+
+
 async def test_a_replica_whose_output_its_consumer_has_not_had_is_not_done_with_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
