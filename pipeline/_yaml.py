@@ -47,24 +47,56 @@ MAX_NODES = 100_000
 
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"
+_INT_TAG = "tag:yaml.org,2002:int"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+
+#: YAML 1.2's core schema, with Python's underscores between digits.
+_DIGITS = r"[0-9](?:_?[0-9])*"
+_INT = re.compile(rf"^(?:[-+]?{_DIGITS}|0o[0-7](?:_?[0-7])*|0x[0-9a-fA-F](?:_?[0-9a-fA-F])*)$")
+_FLOAT = re.compile(
+    rf"^(?:[-+]?(?:\.{_DIGITS}|{_DIGITS}(?:\.(?:{_DIGITS})?)?)(?:[eE][-+]?{_DIGITS})?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
 
 
 class _SpecLoader(yaml.SafeLoader):
-    """The safe loader, but with YAML 1.2's booleans: only ``true`` and ``false``.
+    """The safe loader, but with YAML 1.2's booleans and numbers.
 
     YAML 1.1 also reads ``yes``, ``no``, ``on`` and ``off`` as booleans, so a stage named
     ``yes`` (or a key ``on``) became ``True``. They stay strings here; a boolean field given
-    ``yes`` still validates, as pydantic reads such strings as booleans.
+    ``yes`` still validates, as pydantic reads such strings as booleans. Numbers: ``010`` is
+    ten (not eight), ``0o10`` eight, ``0x10`` sixteen, ``1e3`` a float, and ``1:30`` and
+    ``2024-01-02`` are strings (not 90 and a date).
     """
 
+    def construct_yaml_int(self, node: yaml.Node) -> int:
+        text = str(self.construct_scalar(node))  # type: ignore[arg-type]
+        if text.startswith(("0o", "0x")):
+            return int(text[2:], 8 if text[1] == "o" else 16)
+        return int(text)
 
+    def construct_yaml_float(self, node: yaml.Node) -> float:
+        text = str(self.construct_scalar(node)).lower()  # type: ignore[arg-type]
+        return float(text.replace(".inf", "inf").replace(".nan", "nan"))
+
+
+_SpecLoader.add_constructor(_INT_TAG, _SpecLoader.construct_yaml_int)
+_SpecLoader.add_constructor(_FLOAT_TAG, _SpecLoader.construct_yaml_float)
 _SpecLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    first: [
+        (tag, regexp)
+        for tag, regexp in resolvers
+        if tag not in (_BOOL_TAG, _INT_TAG, _FLOAT_TAG, _TIMESTAMP_TAG)
+    ]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _SpecLoader.add_implicit_resolver(
     _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
+# Ints first: a string both patterns match ("10") is an int.
+_SpecLoader.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
+_SpecLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+.0123456789"))
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from pathlib import Path
 
@@ -553,6 +554,35 @@ def test_errors_found_building_the_plan_name_their_line(
     with pytest.raises(ConfigError) as info:
         Pipeline.from_yaml(path)
     assert str(info.value).startswith(str(tmp_path / expected)), str(info.value)
+
+
+def test_numbers_are_read_as_in_yaml_1_2() -> None:
+    """YAML 1.1 read ``010`` as eight, ``1:30`` as ninety and ``2024-01-02`` as a date; here
+    ``010`` is ten, the others stay strings, ``0o``/``0x`` are octal and hex, and ``1e3`` is
+    a float."""
+    spec = load("""
+        stages:
+          a:
+            impl: "m:A"
+            replicas: 010
+            max_concurrency: 0x10
+            params: {octal: 0o17, big: 1_000, sci: 1e3, neg: -2.5e-1, inf: -.inf,
+                     clock: 1:30, day: 2024-01-02, word: 12abc}
+        edges: []
+    """)
+    stage = spec.stages["a"]
+    assert (stage.replicas, stage.max_concurrency) == (10, 16)
+    assert stage.params == {
+        "octal": 15,
+        "big": 1000,
+        "sci": 1000.0,
+        "neg": -0.25,
+        "inf": -math.inf,
+        "clock": "1:30",
+        "day": "2024-01-02",
+        "word": "12abc",
+    }
+    assert isinstance(stage.params["sci"], float)
 
 
 def test_yes_no_on_off_are_strings_as_in_yaml_1_2() -> None:
