@@ -355,6 +355,7 @@ class Pipeline:
             "replicas": await master.collect_statistics(),
             "garbage": master.garbage + (master.local.garbage_count if master.local else 0),
             "local_frames": master.local.frames if master.local else 0,
+            "dropped_sends": master.outbox.dropped,
         }
 
     async def aclose(self) -> None:

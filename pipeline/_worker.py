@@ -207,6 +207,8 @@ class _Worker:
                 stats = actor.statistics()
                 stats["garbage"] += self.garbage
                 stats["local_frames"] = 0
+                # Sent to replicas gone from the peer table: dropped, not queued for ever.
+                stats["dropped_sends"] = self.outbox.dropped
                 if self.local is not None:
                     stats["garbage"] += self.local.garbage_count
                     stats["local_frames"] = self.local.frames

@@ -226,6 +226,9 @@ async def test_a_local_pipeline_moves_its_data_over_local_links() -> None:
     # Every worker received its input over a link, and so did the client its outputs.
     assert all(r["local_frames"] > 0 for r in stats["replicas"]), stats["replicas"]
     assert stats["local_frames"] > 0
+    # Nothing went to a replica gone from the peer table.
+    assert [r["dropped_sends"] for r in stats["replicas"]] == [0, 0]
+    assert stats["dropped_sends"] == 0
 
 
 async def test_links_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
