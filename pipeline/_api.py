@@ -159,6 +159,14 @@ class Pipeline:
         self.plan: PipelinePlan = build_plan(self.spec, source=source, document=_document)
         self._master: Master | None = None
         self._launcher: LocalLauncher | None = None
+        #: The event loop the pipeline was started on: its master's tasks run there.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: The close under way or done since the latest start; every caller awaits it.
+        self._closing: asyncio.Task[None] | None = None
+        #: Whether the latest start completed: workers then get a grace period on close.
+        self._ready = False
+        #: Whether a close began since the latest start.
+        self._closed = False
         #: Whether remote clients will be served (``stagewire master``): until then their
         #: messages wait unanswered instead of being refused.
         self._serves_clients = False
@@ -209,9 +217,37 @@ class Pipeline:
         return RemotePipeline(endpoint, timeout=timeout, keys=keys, device=device)
 
     def _master_or_fail(self) -> Master:
-        if self._master is None:
+        master = self._master
+        if master is None:
+            if self._closed:
+                raise RuntimeError(
+                    "the pipeline is closed (or closing): start it again with "
+                    "'async with pipe', or build a new Pipeline"
+                )
             raise RuntimeError("the pipeline is not running: use 'async with Pipeline(...)'")
-        return self._master
+        self._check_loop()
+        return master
+
+    def _check_loop(self) -> None:
+        """Refuse a coroutine running on another event loop than the one the pipeline was
+        started on: its master's tasks and sockets belong to that loop."""
+        loop = self._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # a synchronous caller outside any loop, reading an attribute
+        if loop is None or running is loop:
+            return
+        if loop.is_closed():
+            raise RuntimeError(
+                "the event loop this pipeline was started on has closed (and its master with "
+                "it): call 'await pipe.aclose()' to stop its workers, then start the pipeline "
+                "again in this loop"
+            )
+        raise RuntimeError(
+            "this pipeline runs on another event loop: use it from the loop that started it "
+            "(each loop needs a Pipeline of its own)"
+        )
 
     @property
     def master_endpoint(self) -> str:
@@ -250,8 +286,18 @@ class Pipeline:
             StageUnavailable: replicas did not become ready within ``startup_timeout``.
             PipelineError: a stage failed to import or set up, or the master cannot bind.
         """
+        if self._master is not None or self._launcher is not None:
+            raise RuntimeError(
+                "the pipeline is already running: enter 'async with pipe' once, or close it "
+                "before starting it again"
+            )
+        if self._closing is not None and not self._closing.done():
+            raise RuntimeError("the pipeline is still closing: await 'pipe.aclose()' first")
         if not structlog.is_configured():
             configure_logging()
+        self._loop = asyncio.get_running_loop()
+        self._closing = None
+        self._ready = self._closed = False
         keys = resolve_keys(self.spec.master.keys)
         self._master = Master(self.plan, keys=keys, serves_clients=self._serves_clients)
         try:
@@ -279,6 +325,7 @@ class Pipeline:
             await self._master.wait_ready(self.spec.defaults.startup_timeout)
             if self._launcher is not None:
                 self._launcher.supervise = True
+            self._ready = True
         except BaseException:
             await self.aclose()
             raise
@@ -361,14 +408,52 @@ class Pipeline:
     async def aclose(self) -> None:
         """Shut every worker down and stop the master; idempotent.
 
-        Workers get a grace period, then SIGTERM, then SIGKILL.
+        Workers get a grace period (none if the pipeline never finished starting), then
+        SIGTERM, then SIGKILL. Callers at once all wait for the one close. A caller cancelled
+        meanwhile leaves the close running; cancelled itself, it kills the workers at once.
+        From another event loop it closes the pipeline on its own loop, or, if that loop
+        has closed, kills the workers and closes the sockets at once.
 
         Raises:
             Nothing: errors while stopping are logged, not raised.
         """
+        loop = self._loop
+        if loop is None:
+            return  # never started
+        if asyncio.get_running_loop() is not loop:
+            if loop.is_running():
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.aclose(), loop))
+            else:
+                self._close_now()
+            return
+        task = self._closing
+        if task is None:
+            self._closed = True
+            task = self._closing = loop.create_task(self._close())
+        await asyncio.shield(task)
+
+    async def _close(self) -> None:
         master, self._master = self._master, None
-        if master is not None:
-            await master.aclose()
+        launcher = self._launcher
+        try:
+            if master is not None:
+                await master.aclose()
+        finally:
+            if launcher is not None:
+                try:
+                    await launcher.aclose(grace=5.0 if self._ready else 0.0)
+                except BaseException:
+                    launcher.kill_now()  # cancelled (the loop is ending): do not wait
+                    raise
+                finally:
+                    self._launcher = None
+
+    def _close_now(self) -> None:
+        """Close a pipeline whose event loop has closed: nothing can be awaited there."""
+        master, self._master = self._master, None
         launcher, self._launcher = self._launcher, None
         if launcher is not None:
-            await launcher.aclose()
+            launcher.kill_now()
+        if master is not None:
+            master.close_now()
+        self._closed = True

@@ -10,15 +10,18 @@ signals pids this launcher started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterable
 
 import structlog
 
 from pipeline._config import PipelineSpec
 from pipeline._security import KEYS_ENV, CurveKeys
+from transports._liveness import pid_alive
 
 __all__ = ("LocalLauncher",)
 
@@ -200,6 +203,33 @@ class LocalLauncher:
             grace = 0.0
         _remove_shared_memory(self.started)
 
+    def kill_now(self) -> None:
+        """SIGKILL every worker still running, without awaiting anything, and remove their
+        shared memory once they are gone (up to 2 s): for a close that cannot wait (it was
+        cancelled, or its event loop has closed).
+
+        Raises:
+            Nothing: a pid is signalled only while it is still a child of this process.
+        """
+        self._closing = True
+        victims = []
+        for proc in self.procs.values():
+            if proc.returncode is None and _child_of_ours(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                victims.append(proc.pid)
+        deadline = time.monotonic() + 2.0
+        while any(pid_alive(pid) for pid in victims) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for proc in self.procs.values():
+            # Reaps the process if its loop's watcher cannot (that loop closed), so neither
+            # it nor its transport is reported as left running.
+            transport = getattr(proc, "_transport", None)
+            if transport is not None and not pid_alive(proc.pid):
+                with contextlib.suppress(Exception):
+                    transport.close()
+        _remove_shared_memory(pid for pid in self.started if not pid_alive(pid))
+
     async def _stop_running(self, grace: float) -> None:
         """Wait ``grace`` seconds for the running workers to exit, then terminate, then kill."""
         for sig, wait in ((None, grace), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
@@ -216,6 +246,18 @@ class LocalLauncher:
                     await asyncio.gather(*(p.wait() for p in running))
             except TimeoutError:
                 continue
+
+
+def _child_of_ours(pid: int) -> bool:
+    """Whether ``pid`` is (still) a child of this process: not reaped, so not reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # The command name is parenthesised and may hold spaces: the state and ppid follow it.
+    fields = stat.rpartition(b")")[2].split()
+    return len(fields) > 1 and fields[1] == str(os.getpid()).encode()
 
 
 def _remove_shared_memory(pids: Iterable[int]) -> None:

@@ -620,6 +620,30 @@ class Master:
             del self._stats[token]
         return sorted(replies, key=lambda s: (s["stage"], s["replica"]))
 
+    def close_now(self) -> None:
+        """Close every socket without awaiting anything: for a master whose event loop has
+        closed, whose tasks died with it; idempotent.
+
+        Raises:
+            Nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.local is not None:
+            with contextlib.suppress(Exception):  # its loop is closed: only sockets to close
+                self.local.close()
+        stop_guard(self.zctx)
+        self.zctx.destroy(linger=0)
+        self._unlink_ipc()
+
+    def _unlink_ipc(self) -> None:
+        for endpoint in (self.endpoint, self.data_endpoint):
+            if endpoint.startswith("ipc://"):
+                # ZMQ leaves a bound ipc socket's file behind.
+                with contextlib.suppress(OSError):
+                    os.unlink(endpoint.removeprefix("ipc://"))
+
     async def aclose(self) -> None:
         """Tell every worker to shut down and close the sockets; idempotent.
 
@@ -646,8 +670,4 @@ class Master:
         self.inbox.close(linger=0)
         stop_guard(self.zctx)
         self.zctx.term()
-        for endpoint in (self.endpoint, self.data_endpoint):
-            if endpoint.startswith("ipc://"):
-                # ZMQ leaves a bound ipc socket's file behind.
-                with contextlib.suppress(OSError):
-                    os.unlink(endpoint.removeprefix("ipc://"))
+        self._unlink_ipc()

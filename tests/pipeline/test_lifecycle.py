@@ -1,0 +1,166 @@
+"""An embedded pipeline's life: one start at a time, one event loop, and a close that
+stops every worker however it is reached (twice at once, cancelled, from another loop,
+after its own loop has closed)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+
+from pipeline import Pipeline, StageUnavailable
+from stages.text import Text, Token
+from tests.pipeline.conftest import spec, wait_for
+from tests.procs import alive
+
+T = TypeVar("T")
+
+
+def _relay() -> Pipeline:
+    return Pipeline(spec({"tok": ":Tokens", "relay": ":Relay"}, [("tok", "relay")]))
+
+
+async def _gone(pids: list[int], timeout: float = 15.0) -> None:
+    await wait_for(lambda: not any(alive(p) for p in pids), timeout)
+
+
+def _in_thread(make: Callable[[], Awaitable[T]]) -> T | BaseException:
+    """Run ``make()`` on an event loop of its own in another thread: its result or error."""
+    out: list[T | BaseException] = []
+
+    def run() -> None:
+        async def main() -> T:
+            return await make()
+
+        try:
+            out.append(asyncio.run(main()))
+        except BaseException as exc:  # handed back to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert out, "the other loop's work did not end within 60 s"
+    return out[0]
+
+
+async def test_a_running_pipeline_refuses_a_second_start() -> None:
+    """Entering ``async with`` again started a second master and workers and orphaned the
+    first set; now it is refused, and the running pipeline goes on."""
+    async with _relay() as pipe:
+        pids = list(pipe.worker_pids.values())
+        with pytest.raises(RuntimeError, match="already running"):
+            async with pipe:
+                pass
+        assert list(pipe.worker_pids.values()) == pids
+        assert await pipe.submit(Text("a b")) == Token(1, "b")
+    await _gone(pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        await pipe.submit(Text("late"))
+
+
+async def test_two_closes_at_once_both_wait_for_the_workers() -> None:
+    """An explicit ``aclose`` beside ``__aexit__``'s: neither returns before the workers
+    have exited (the first used to return as soon as it had closed the master)."""
+    pipe = _relay()
+    await pipe.start()
+    pids = list(pipe.worker_pids.values())
+    left: list[list[int]] = []
+
+    async def close() -> None:
+        await pipe.aclose()
+        left.append([p for p in pids if alive(p)])
+
+    await asyncio.wait_for(asyncio.gather(close(), close()), 30)
+    assert left == [[], []]
+
+
+async def test_a_close_whose_caller_is_cancelled_still_stops_the_workers() -> None:
+    """A shutdown deadline fires while the close waits for a busy worker: the close goes
+    on, and the pipeline still knows the pids until the workers are gone."""
+    pipe = Pipeline(spec({"hog": ":Hog"}, []))
+    await pipe.start()
+    pids = list(pipe.worker_pids.values())
+    busy = asyncio.ensure_future(pipe.submit(Text("30")))  # holds the worker's loop 30 s
+    await wait_for(lambda: pipe._master_or_fail().orch.statistics()["active"] == 1, 10)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(pipe.aclose(), 0.5)
+    assert pipe.worker_pids  # still tracked while the close goes on
+    await asyncio.gather(busy, return_exceptions=True)
+    await _gone(pids)
+    await asyncio.wait_for(pipe.aclose(), 5)  # the same close, done
+
+
+def test_a_close_cancelled_as_its_loop_ends_kills_the_workers() -> None:
+    """``asyncio.run`` ends while the close waits for a busy worker, cancelling it: the
+    workers are killed then, not left running with nobody to stop them."""
+    pipe = Pipeline(spec({"hog": ":Hog"}, []))
+    pids: list[int] = []
+
+    async def main() -> None:
+        await pipe.start()
+        pids.extend(pipe.worker_pids.values())
+        busy = asyncio.ensure_future(pipe.submit(Text("30")))
+        await wait_for(lambda: pipe._master_or_fail().orch.statistics()["active"] == 1, 10)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pipe.aclose(), 0.5)
+        busy.cancel()
+
+    asyncio.run(main())  # cancels the close still running
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids and not any(alive(p) for p in pids)
+
+
+async def test_a_pipeline_is_used_from_the_loop_that_started_it_only() -> None:
+    """Another loop's submit is refused with a clear error (it used to work, binding the
+    pipeline's sockets to that loop, so that closing it on its own loop then failed and
+    left the workers running); another loop's close closes it on its own loop."""
+    pipe = _relay()
+    await pipe.start()
+    pids = list(pipe.worker_pids.values())
+    got = await asyncio.to_thread(_in_thread, lambda: pipe.submit(Text("x")))
+    assert isinstance(got, RuntimeError) and "another event loop" in str(got), got
+    assert await pipe.submit(Text("a b")) == Token(1, "b")
+    assert await asyncio.to_thread(_in_thread, pipe.aclose) is None
+    await _gone(pids)
+    await pipe.aclose()
+
+
+def test_a_pipeline_whose_loop_closed_says_so_and_is_closed_from_another() -> None:
+    """A pipeline left open when its ``asyncio.run`` ended: a submit on a new loop hung,
+    and ``aclose`` raised "Event loop is closed", stopping nothing. Now the submit says
+    what happened, and ``aclose`` kills the workers and closes the sockets at once."""
+    pipe = _relay()
+    pids: list[int] = []
+
+    async def start() -> None:
+        await pipe.start()
+        pids.extend(pipe.worker_pids.values())
+
+    asyncio.run(start())
+
+    async def later() -> None:
+        with pytest.raises(RuntimeError, match="has closed"):
+            await pipe.submit(Text("x"))
+        await asyncio.wait_for(pipe.aclose(), 10)
+
+    asyncio.run(later())
+    assert pids and not any(alive(p) for p in pids)
+
+
+async def test_a_start_that_fails_stops_its_workers_without_a_grace_period() -> None:
+    """Workers that never became ready cannot act on the master's Shutdown: the failed
+    start stops them at once instead of waiting 5 s for them first."""
+    pipe = Pipeline(spec({"h": ":HangingSetup"}, [], startup_timeout="1s"))
+    began = time.monotonic()
+    with pytest.raises(StageUnavailable, match="not ready"):
+        await pipe.start()
+    # 1 s of start-up timeout, then SIGTERM; a grace period first made it 6 s at least.
+    assert time.monotonic() - began < 5.0
+    assert not pipe.worker_pids
