@@ -456,7 +456,8 @@ class StageActor:
         self._maybe_start(req)
 
     def _got_all(self, edge: str, request_id: str) -> None:
-        """A reader got the last payload of ``request_id`` on ``edge``, which fetches some."""
+        """A reader got the last payload of ``request_id`` to fetch on ``edge``, every chunk
+        having arrived."""
         req = self._requests.get(request_id)
         if req is not None:
             inflow = req.inflows[edge]

@@ -190,8 +190,7 @@ def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
     buffer = inflow.buffer
     seq = run.first
     inflow.sender = run.sender
-    if run.transport and run.transport != "inline":
-        inflow.fetches = True
+    fetched = bool(run.transport) and run.transport != "inline"
     if run.credit:
         # The producer waits for credit once this run's last chunk is taken.
         asked = seq + len(items)
@@ -204,6 +203,8 @@ def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
     for item in items:
         if not buffer.offer(seq, item, final and seq == last):
             refused += 1
+        elif fetched and item[1] is not None:
+            inflow.unfetched += 1
         seq += 1
     return refused
 
@@ -222,13 +223,12 @@ class Inflow:
         "asked",
         "buffer",
         "credit_due",
-        "fetches",
         "fetching",
-        "got_all",
         "held",
         "sender",
         "taken",
         "told",
+        "unfetched",
     )
 
     def __init__(
@@ -252,18 +252,18 @@ class Inflow:
         #: The next chunk's fetch, still running after the read that started it was
         #: cancelled (a handler's own timeout): the next read takes its payload.
         self.fetching: tuple[asyncio.Task[Any], Item, bool] | None = None
-        #: A chunk came by a transport its payload is fetched from (not inside its envelope).
-        self.fetches = False
-        #: The reader has taken the final chunk (or the stream's end).
-        self.got_all = False
+        #: Chunks filed whose payloads are still to be got from a transport (not inside
+        #: their envelopes): buffered, held, or being fetched.
+        self.unfetched = 0
         #: The owner has reported this inflow drained (a mark of the owner's own).
         self.told = False
 
     @property
     def drained(self) -> bool:
         """Whether this process has all of the request's payloads on this edge: every chunk
-        arrived, and those carried by a transport were got (or the reader is done)."""
-        return self.buffer.complete and (self.got_all or not self.fetches)
+        arrived, and those carried by a transport were got. (The stream's end marker, which
+        carries none, need not have been read.)"""
+        return self.unfetched == 0 and self.buffer.complete
 
     def reading(self, item: Item) -> bool:
         """Whether ``item`` is the chunk the reader has taken and not yet finished with."""
@@ -856,8 +856,8 @@ class InputChannel:
         self._open = 0
         self.hop = LatencyRecorder()
         self.chunks = 0
-        #: Called with a request's id when its reader got the last of its payloads on this
-        #: edge and one of them was fetched from a transport (see :attr:`Inflow.drained`).
+        #: Called with a request's id when its reader has got the last payload to fetch from
+        #: a transport on this edge, every chunk having arrived (see :attr:`Inflow.drained`).
         self.on_got_all: Callable[[str], None] | None = None
 
     def receiver(self, name: str) -> TransportReceiver:
@@ -961,9 +961,7 @@ class InputChannel:
             return NOT_READY
         value = inline.read(descriptor, self._codec)  # type: ignore[arg-type]
         inflow.taken += 1
-        if final:
-            self._got_all(inflow)
-        elif inflow.taken >= inflow.credit_due:
+        if not final and inflow.taken >= inflow.credit_due:
             self._credit(inflow, sender)
         return value
 
@@ -1016,9 +1014,11 @@ class InputChannel:
             raise EndOfChannel(inflow.buffer.request_id)
         inflow.fetching = None
         inflow.taken += 1
-        if final:
-            self._got_all(inflow)
-        elif inflow.taken >= inflow.credit_due:
+        if item[0] != "inline":
+            inflow.unfetched -= 1
+        if not inflow.unfetched and self.on_got_all is not None and inflow.buffer.complete:
+            self.on_got_all(inflow.buffer.request_id)
+        if not final and inflow.taken >= inflow.credit_due:
             self._credit(inflow, item[2])
         return value
 
@@ -1027,23 +1027,14 @@ class InputChannel:
         descriptor = item[1]
         if descriptor is None:
             if final:
-                self._got_all(inflow)
                 raise EndOfChannel
             raise PayloadError(f"chunk without payload on edge {self.plan.name!r} before its end")
         assert self._inline is not None
         value = self._inline.read(descriptor, self._codec)  # type: ignore[arg-type]
         inflow.taken += 1
-        if final:
-            self._got_all(inflow)
-        elif inflow.taken >= inflow.credit_due:
+        if not final and inflow.taken >= inflow.credit_due:
             self._credit(inflow, item[2])
         return value
-
-    def _got_all(self, inflow: Inflow) -> None:
-        """The reader took the final chunk: tell the owner, if a chunk had to be fetched."""
-        inflow.got_all = True
-        if inflow.fetches and self.on_got_all is not None:
-            self.on_got_all(inflow.buffer.request_id)
 
     def _credit(self, inflow: Inflow, sender: str) -> None:
         """Tell ``sender`` that every chunk taken so far may be replaced by new ones, and how

@@ -264,3 +264,37 @@ async def test_a_request_ending_mid_fetch_ends_the_read_and_frees_the_payload() 
     finally:
         await wire.out.aclose()
         await wire.inp.aclose()
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+async def test_an_edge_is_drained_once_every_payload_is_got_its_end_unread(
+    transport: str,
+) -> None:
+    """What a consumer reports drained (see ``StageActor.take_reports``): inline, every
+    chunk arrived; by shm, every payload got from the transport too, a repeat of one
+    counting once. The stream's end marker carries none and need not be read: a handler
+    that takes a known count of chunks and works on still lets its producer go."""
+    wire = _Wire(_plan(16, 1 << 30, transport=transport))
+    told: list[str] = []
+    wire.inp.on_got_all = told.append
+    try:
+        await wire.produce([100, 100, 100])
+        frames = [encode_batch([run.seal()]) for run in wire.runs]
+        wire.runs.clear()
+        for frame in [*frames, frames[0]]:  # the first run again, as a duplicate
+            for run in decode_batch(frame):
+                assert isinstance(run, Chunks)
+                file_run(wire.inflow, run, wire.inp.admit(run))
+        assert wire.inflow.buffer.complete
+        assert wire.inflow.drained is (transport == "inline")
+        for seq in range(3):
+            assert not told
+            assert (await wire.inp.next(wire.inflow)).seq == seq
+        assert wire.inflow.drained
+        assert told == ([] if transport == "inline" else ["r"])
+        with pytest.raises(EndOfChannel):
+            await wire.inp.next(wire.inflow)
+        assert told == ([] if transport == "inline" else ["r"])
+    finally:
+        await wire.out.aclose()
+        await wire.inp.aclose()
