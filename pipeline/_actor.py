@@ -30,6 +30,7 @@ from pipeline._errors import (
     PayloadError,
     RequestAborted,
     StageUnavailable,
+    TransportError,
     error_to_failure,
 )
 from pipeline._keys import CLIENT
@@ -420,12 +421,23 @@ class StageActor:
             self._garbage(1)
             return
         _, channel = entry
+        rid = run.request_id
         try:
             items = channel.admit(run)
-        except Exception:
+        except Exception as exc:
             self._garbage(1)
+            req = self._requests.get(rid)
+            if req is not None and req.route is not None and isinstance(exc, TransportError):
+                # Chunks of an admitted request that cannot be read: it cannot complete.
+                # Failing it now says why, where waiting would end in a ChunkGap.
+                self._fail(
+                    req,
+                    TransportError(
+                        f"edge {run.edge!r}: chunks {run.first}.. from {run.sender or '?'} "
+                        f"cannot be read: {exc}"
+                    ),
+                )
             return
-        rid = run.request_id
         if rid in self._finished:
             self.counts["late"] += len(items)
             for item in items:
@@ -624,20 +636,24 @@ class StageActor:
         return ended, drained
 
     def _handler_failed(self, req: _Request, exc: Exception) -> None:
+        """Fail the request whose handler raised ``exc``."""
+        if isinstance(exc, ChunkGap) and req.request_id in self._requests:
+            exc = self._explain_gap(req, exc)
+        req.task = None  # ending anyway: forget() must not cancel it
+        self._fail(req, exc)
+
+    def _fail(self, req: _Request, exc: Exception) -> None:
         """Fail the request at the client (a StageError) and forget it here."""
         self.counts["failed"] += 1
         rid = req.request_id
         if rid not in self._requests:
             return
-        if isinstance(exc, ChunkGap):
-            exc = self._explain_gap(req, exc)
         try:
             self._report_failure(error_to_failure(exc, stage=self.stage, request_id=rid))
         except Exception as report_exc:  # the control socket refused it (the master is gone?)
             log.warning(
                 "failure_unreported", stage=self.stage, request_id=rid, error=repr(report_exc)
             )
-        req.task = None  # ending anyway: forget() must not cancel it
         self.forget(rid, exc)
 
     def _explain_gap(self, req: _Request, gap: ChunkGap) -> ChunkGap:

@@ -8,11 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from pipeline._actor import StageActor
 from pipeline._channel import OutputChannel, SendTarget
-from pipeline._messages import FailureInfo, Peer, encode_batch
+from pipeline._messages import Chunks, FailureInfo, Peer, encode_batch
 from pipeline._signature import PipelinePlan, build_plan
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
@@ -156,4 +157,34 @@ async def test_a_replica_reports_its_ended_and_drained_requests(
         assert actor.take_reports() == ([], [])
     finally:
         await up.aclose()
+        await actor.aclose()
+
+
+async def test_chunks_that_cannot_be_read_fail_their_request_at_once() -> None:
+    """A run whose descriptors its transport cannot read (a producer of another version, a
+    plug-in's bug) fails its admitted request with a TransportError naming the edge and the
+    producer, instead of dropping the run and leaving the request to a ChunkGap after the
+    chunk timeout. A run for a request not admitted here is only counted as garbage."""
+    stages = {"up": ":Echo", "echo": ":Echo"}
+    plan = build_plan(spec(stages, [("up", "echo")], transport="shm", chunk_timeout="60s"))
+    reported: list[FailureInfo] = []
+    actor = _echo_actor(plan, lambda _endpoint, _msg: None, reported.append)
+    actor.set_peers(
+        {name: {0: Peer(f"inproc://{name}", "h")} for name in stages}, Peer("inproc://c", "h")
+    )
+    spoilt = msgspec.Raw(msgspec.msgpack.encode([{"t": "shm", "segment": 7}]))
+
+    def run(rid: str) -> bytes:
+        msg = Chunks(rid, "up->echo", 0, True, "shm", spoilt, "inproc://up", "h", 0)
+        return encode_batch([msgspec.msgpack.encode(msg)])
+
+    try:
+        actor.admit("r1", {"up": 0, "echo": 0})
+        actor.on_data([run("r1"), run("stranger")])
+        assert len(reported) == 1, reported
+        assert reported[0].request_id == "r1"
+        assert "up->echo" in str(reported[0]) and "inproc://up" in str(reported[0])
+        assert actor.counts["failed"] == 1 and actor.counts["garbage"] == 2
+        assert actor.inflight == 0
+    finally:
         await actor.aclose()
