@@ -21,7 +21,14 @@ from typing import Any
 import structlog
 
 from pipeline._batching import Batcher
-from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget, file_run
+from pipeline._channel import (
+    Inflow,
+    InputChannel,
+    OutputChannel,
+    SendTarget,
+    file_run,
+    unreadable,
+)
 from pipeline._encoded import DECODE_ERRORS, Encoded
 from pipeline._errors import (
     ChunkGap,
@@ -430,13 +437,7 @@ class StageActor:
             if req is not None and req.route is not None and isinstance(exc, TransportError):
                 # Chunks of an admitted request that cannot be read: it cannot complete.
                 # Failing it now says why, where waiting would end in a ChunkGap.
-                self._fail(
-                    req,
-                    TransportError(
-                        f"edge {run.edge!r}: chunks {run.first}.. from {run.sender or '?'} "
-                        f"cannot be read: {exc}"
-                    ),
-                )
+                self._fail(req, unreadable(run, exc))
             return
         if rid in self._finished:
             self.counts["late"] += len(items)

@@ -75,6 +75,7 @@ __all__ = (
     "QueueAwareSender",
     "SendTarget",
     "file_run",
+    "unreadable",
 )
 
 
@@ -207,6 +208,13 @@ def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
             inflow.unfetched += 1
         seq += 1
     return refused
+
+
+def unreadable(run: Chunks, exc: Exception) -> TransportError:
+    """The error of a request whose run of chunks ``admit`` refused with ``exc``."""
+    return TransportError(
+        f"edge {run.edge!r}: chunks {run.first}.. from {run.sender or '?'} cannot be read: {exc}"
+    )
 
 
 def _outcome_dropped(task: asyncio.Task[Any]) -> None:

@@ -17,7 +17,14 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipeline._channel import Inflow, InputChannel, OutputChannel, SendTarget, file_run
+from pipeline._channel import (
+    Inflow,
+    InputChannel,
+    OutputChannel,
+    SendTarget,
+    file_run,
+    unreadable,
+)
 from pipeline._codec import codec_for
 from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import (
@@ -27,6 +34,7 @@ from pipeline._errors import (
     RequestAborted,
     RequestTimeout,
     StageUnavailable,
+    TransportError,
 )
 from pipeline._keys import CLIENT
 from pipeline._messages import Abort, Admit, Chunks, Credit, DataMessage, Drop, decode_batch
@@ -513,8 +521,12 @@ class Orchestrator:
             return
         try:
             items = ch.admit(msg)
-        except PipelineError:
+        except PipelineError as exc:
             self.counts["garbage"] += 1
+            if isinstance(exc, TransportError) and msg.request_id in self.requests:
+                # Outputs of a request that cannot be read: it cannot complete (see
+                # StageActor._on_run).
+                self.fail(msg.request_id, unreadable(msg, exc))
             return
         req = self.requests.get(msg.request_id)
         if req is None:

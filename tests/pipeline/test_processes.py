@@ -238,6 +238,46 @@ async def test_a_replica_whose_output_its_consumer_has_not_had_is_not_done_with_
             os.kill(sink, signal.SIGCONT)
 
 
+async def test_outputs_that_cannot_be_read_fail_their_request_at_once(tmp_path: Path) -> None:
+    """A run of a live request's outputs whose descriptors cannot be read reaches the
+    client: the request fails with a TransportError naming the edge and the sender, not
+    with a ChunkGap after the chunk timeout (an hour here)."""
+    import msgspec
+
+    from pipeline import TransportError
+    from pipeline._messages import Chunks, encode_batch
+
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    s = spec(
+        {"src": ":Tokens", "sink": {"impl": ":Lingers", "env": {"LINGER_FIFO": str(fifo)}}},
+        [("src", "sink")],
+        chunk_timeout="1h",
+    )
+    async with Pipeline(s) as pipe:
+        request = asyncio.ensure_future(pipe.submit(Text("a b")))
+        orch = pipe._master_or_fail().orch
+        await wait_for(lambda: len(orch.requests) == 1, 10)
+        (rid,) = orch.requests
+        spoilt = msgspec.Raw(msgspec.msgpack.encode([{"t": "inline", "header": 7}]))
+        run = Chunks(rid, "sink->@client", 0, True, "inline", spoilt, "tcp://x:1", "h", 0)
+        ctx = zmq.Context()
+        try:
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 1000)
+            push.connect(pipe._master_or_fail().data_endpoint)
+            push.send(encode_batch([msgspec.msgpack.encode(run)]))
+            push.close()
+            with pytest.raises(TransportError, match=r"sink->@client.*tcp://x:1"):
+                await asyncio.wait_for(request, 10)
+        finally:
+            ctx.term()
+            with contextlib.suppress(OSError):  # no reader (a failure before it read)
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, b"go\n")
+                os.close(fd)
+
+
 async def test_garbage_on_sockets_is_dropped_and_counted() -> None:
     """Garbage on a worker's data port and the master's control port is counted, not fatal."""
     async with Pipeline(spec({"echo": ":Echo"}, [])) as pipe:
