@@ -18,6 +18,7 @@ import structlog
 from pipeline._config import PipelineSpec
 from pipeline._errors import EndOfChannel, PayloadError
 from pipeline._launcher import LocalLauncher
+from pipeline._lifecycle import LoopBound
 from pipeline._logging import configure_logging
 from pipeline._master import Master
 from pipeline._orchestrator import ClientRequest
@@ -86,7 +87,7 @@ class ResponseStream:
         """
         if self._req is None:
             self._loop = asyncio.get_running_loop()
-            self._req = await self._pipe._master_or_fail().orch.start(self._inputs)
+            self._req = await self._pipe._master_here().orch.start(self._inputs)
         return self._req.request_id
 
     def __aiter__(self) -> AsyncIterator[Any]:
@@ -108,7 +109,7 @@ class ResponseStream:
         if self._req is None:
             await self.start()
             assert self._req is not None
-        orch = self._pipe._master_or_fail().orch
+        orch = self._pipe._master_here().orch
         try:
             sink, value = await orch.next_output(self._req)
         except EndOfChannel:
@@ -140,8 +141,10 @@ class ResponseStream:
         await self.aclose()
 
 
-class Pipeline:
+class Pipeline(LoopBound):
     """A running pipeline: an embedded master plus one worker process per replica."""
+
+    _what = "pipeline"
 
     def __init__(
         self,
@@ -159,10 +162,6 @@ class Pipeline:
         self.plan: PipelinePlan = build_plan(self.spec, source=source, document=_document)
         self._master: Master | None = None
         self._launcher: LocalLauncher | None = None
-        #: The event loop the pipeline was started on: its master's tasks run there.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        #: The close under way or done since the latest start; every caller awaits it.
-        self._closing: asyncio.Task[None] | None = None
         #: Whether the latest start completed: workers then get a grace period on close.
         self._ready = False
         #: Whether a close began since the latest start.
@@ -225,29 +224,14 @@ class Pipeline:
                     "'async with pipe', or build a new Pipeline"
                 )
             raise RuntimeError("the pipeline is not running: use 'async with Pipeline(...)'")
-        self._check_loop()
         return master
 
-    def _check_loop(self) -> None:
-        """Refuse a coroutine running on another event loop than the one the pipeline was
-        started on: its master's tasks and sockets belong to that loop."""
-        loop = self._loop
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # a synchronous caller outside any loop, reading an attribute
-        if loop is None or running is loop:
-            return
-        if loop.is_closed():
-            raise RuntimeError(
-                "the event loop this pipeline was started on has closed (and its master with "
-                "it): call 'await pipe.aclose()' to stop its workers, then start the pipeline "
-                "again in this loop"
-            )
-        raise RuntimeError(
-            "this pipeline runs on another event loop: use it from the loop that started it "
-            "(each loop needs a Pipeline of its own)"
-        )
+    def _master_here(self) -> Master:
+        """The master, for a coroutine: refused on another event loop than the one the
+        pipeline was started on, which its master's tasks and sockets belong to."""
+        master = self._master_or_fail()
+        self._check_here()
+        return master
 
     @property
     def master_endpoint(self) -> str:
@@ -291,40 +275,44 @@ class Pipeline:
                 "the pipeline is already running: enter 'async with pipe' once, or close it "
                 "before starting it again"
             )
-        if self._closing is not None and not self._closing.done():
+        if self._still_closing:
             raise RuntimeError("the pipeline is still closing: await 'pipe.aclose()' first")
         if not structlog.is_configured():
             configure_logging()
-        self._loop = asyncio.get_running_loop()
-        self._closing = None
+        self._bind()
         self._ready = self._closed = False
         keys = resolve_keys(self.spec.master.keys)
-        self._master = Master(self.plan, keys=keys, serves_clients=self._serves_clients)
+        master = self._master = Master(self.plan, keys=keys, serves_clients=self._serves_clients)
         try:
-            await self._master.start()
+            await master.start()
         except BaseException:
             await self.aclose()  # its sockets and context, bound or not
             raise
         if on_listening is not None:
-            on_listening(self._master.endpoint)
+            on_listening(master.endpoint)
+        launcher = None
         if launch:
+
+            def lost(stage: str, replica: int, code: int, pid: int) -> None:
+                if self._master is master:  # not once it is closing
+                    master.replica_lost(stage, replica, f"exited with code {code}", pid)
+
+            def given_up(stage: str, replica: int) -> None:
+                if self._master is master:
+                    master.orch.replica_given_up(stage, replica)
+
             self._launcher = launcher = LocalLauncher(
-                self.spec,
-                self._master.endpoint,
-                lambda s, k, code, pid: self._master_or_fail().replica_lost(
-                    s, k, f"exited with code {code}", pid
-                ),
-                on_given_up=lambda s, k: self._master_or_fail().orch.replica_given_up(s, k),
-                keys=keys,
+                self.spec, master.endpoint, lost, on_given_up=given_up, keys=keys
             )
             # A worker declared dead for silence is ended, so that its slot is restarted.
-            self._master.on_silent = launcher.kill_hung
+            master.on_silent = launcher.kill_hung
         try:
-            if self._launcher is not None:
-                await self._launcher.start_all()
-            await self._master.wait_ready(self.spec.defaults.startup_timeout)
-            if self._launcher is not None:
-                self._launcher.supervise = True
+            if launcher is not None:
+                await launcher.start_all()
+            # Raises PipelineError if the pipeline is closed meanwhile.
+            await master.wait_ready(self.spec.defaults.startup_timeout)
+            if launcher is not None:
+                launcher.supervise = True
             self._ready = True
         except BaseException:
             await self.aclose()
@@ -386,7 +374,7 @@ class Pipeline:
         Raises:
             RuntimeError: the pipeline is not running.
         """
-        return self._master_or_fail().orch.abort(request_id, reason)
+        return self._master_here().orch.abort(request_id, reason)
 
     async def statistics(self) -> dict[str, Any]:
         """Counters of the client side and of every replica (asks each worker).
@@ -396,7 +384,7 @@ class Pipeline:
         Raises:
             RuntimeError: the pipeline is not running.
         """
-        master = self._master_or_fail()
+        master = self._master_here()
         return {
             "client": master.orch.statistics(),
             "replicas": await master.collect_statistics(),
@@ -417,27 +405,22 @@ class Pipeline:
         Raises:
             Nothing: errors while stopping are logged, not raised.
         """
-        loop = self._loop
-        if loop is None:
-            return  # never started
-        if asyncio.get_running_loop() is not loop:
-            if loop.is_running():
-                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.aclose(), loop))
-            else:
-                self._close_now()
-            return
-        task = self._closing
-        if task is None:
-            self._closed = True
-            task = self._closing = loop.create_task(self._close())
-        await asyncio.shield(task)
+        await self._close_once()
 
     async def _close(self) -> None:
+        self._closed = True
         master, self._master = self._master, None
         launcher = self._launcher
         try:
             if master is not None:
-                await master.aclose()
+                try:
+                    await master.aclose()
+                except Exception as exc:
+                    log.warning("master_close_failed", error=repr(exc))
+                    master.close_now()
+                except BaseException:
+                    master.close_now()  # cancelled (the loop is ending): close what is left
+                    raise
         finally:
             if launcher is not None:
                 try:
@@ -450,10 +433,10 @@ class Pipeline:
 
     def _close_now(self) -> None:
         """Close a pipeline whose event loop has closed: nothing can be awaited there."""
+        self._closed = True
         master, self._master = self._master, None
         launcher, self._launcher = self._launcher, None
         if launcher is not None:
-            launcher.kill_now()
+            launcher.kill_now(loop_closed=True)
         if master is not None:
             master.close_now()
-        self._closed = True

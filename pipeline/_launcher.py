@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import signal
 import sys
 import time
@@ -54,6 +55,9 @@ class LocalLauncher:
         #: Told when a replica that exited will not be restarted.
         self._on_given_up = on_given_up
         self.procs: dict[tuple[str, int], asyncio.subprocess.Process] = {}
+        #: A pidfd of each worker not yet seen to exit, by pid: what ``kill_now`` signals,
+        #: which cannot reach another process that reused the pid.
+        self._pidfds: dict[int, int] = {}
         #: Every pid this launcher started, restarts included: their shared memory is
         #: removed when they exit, however they exit.
         self.started: set[int] = set()
@@ -102,6 +106,8 @@ class LocalLauncher:
             log.info("shm_segments_swept", count=len(swept))
         for stage, sspec in self._spec.stages.items():
             for k in range(sspec.replicas):
+                if self._closing:
+                    return  # closed while starting: the rest would only be stopped again
                 await self.start(stage, k)
 
     async def start(self, stage: str, replica: int) -> int:
@@ -131,6 +137,12 @@ class LocalLauncher:
         )
         self.procs[(stage, replica)] = proc
         self.started.add(proc.pid)
+        with contextlib.suppress(OSError, AttributeError):  # gone already, or no pidfds
+            self._pidfds[proc.pid] = os.pidfd_open(proc.pid)
+        if self._closing:
+            # The close began while this one was spawned, and may have signalled the others
+            # already: this one is stopped at once.
+            proc.kill()
         self._watchers.append(
             asyncio.get_running_loop().create_task(self._watch(stage, replica, proc))
         )
@@ -140,6 +152,7 @@ class LocalLauncher:
         loop = asyncio.get_running_loop()
         began = loop.time()
         code = await proc.wait()
+        self._forget_pidfd(proc.pid)
         if self._closing:
             return
         # A worker that exited, even by kill -9, owns no more shared memory; readers that
@@ -203,31 +216,49 @@ class LocalLauncher:
             grace = 0.0
         _remove_shared_memory(self.started)
 
-    def kill_now(self) -> None:
+    def _forget_pidfd(self, pid: int) -> None:
+        fd = self._pidfds.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
+
+    def kill_now(self, *, loop_closed: bool = False) -> None:
         """SIGKILL every worker still running, without awaiting anything, and remove their
         shared memory once they are gone (up to 2 s): for a close that cannot wait (it was
-        cancelled, or its event loop has closed).
+        cancelled, or its event loop has closed: ``loop_closed``, when nothing else will
+        reap them or close their transports).
 
         Raises:
-            Nothing: a pid is signalled only while it is still a child of this process.
+            Nothing: each worker is signalled through its pidfd, which names that process
+            and no other, even if its pid was reused.
         """
         self._closing = True
-        victims = []
-        for proc in self.procs.values():
-            if proc.returncode is None and _child_of_ours(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                victims.append(proc.pid)
+        victims: dict[int, int] = {}
+        for pid, fd in self._pidfds.items():
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            victims[fd] = pid
         deadline = time.monotonic() + 2.0
-        while any(pid_alive(pid) for pid in victims) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        waiting = dict(victims)
+        poller = select.poll()
+        for fd in waiting:
+            poller.register(fd, select.POLLIN)  # readable once the process has exited
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(int(left * 1000) + 1):
+                poller.unregister(fd)
+                waiting.pop(fd, None)
         for proc in self.procs.values():
-            # Reaps the process if its loop's watcher cannot (that loop closed), so neither
-            # it nor its transport is reported as left running.
-            transport = getattr(proc, "_transport", None)
-            if transport is not None and not pid_alive(proc.pid):
-                with contextlib.suppress(Exception):
-                    transport.close()
+            pidfd = self._pidfds.get(proc.pid)
+            if pidfd is None or pidfd in waiting:
+                continue
+            if loop_closed:
+                with contextlib.suppress(ChildProcessError, OSError):
+                    # Exactly this process, if its loop's watcher has not reaped it.
+                    os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+            # Its loop may be ending: what would record the exit may never run.
+            _mark_killed(proc)
+        for fd, pid in victims.items():
+            if fd not in waiting or loop_closed:
+                self._forget_pidfd(pid)
         _remove_shared_memory(pid for pid in self.started if not pid_alive(pid))
 
     async def _stop_running(self, grace: float) -> None:
@@ -248,16 +279,17 @@ class LocalLauncher:
                 continue
 
 
-def _child_of_ours(pid: int) -> bool:
-    """Whether ``pid`` is (still) a child of this process: not reaped, so not reused."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    # The command name is parenthesised and may hold spaces: the state and ppid follow it.
-    fields = stat.rpartition(b")")[2].split()
-    return len(fields) > 1 and fields[1] == str(os.getpid()).encode()
+def _mark_killed(proc: asyncio.subprocess.Process) -> None:
+    """Record that ``proc`` was killed (it has exited), for when its event loop may never
+    hear of it: neither it nor its transport is then reported as left running, and nothing
+    will wait for its pid again (which another process may hold once it is reaped)."""
+    transport = getattr(proc, "_transport", None)
+    popen = getattr(transport, "_proc", None)
+    if popen is not None and popen.returncode is None:
+        popen.returncode = -signal.SIGKILL
+    if transport is not None:
+        with contextlib.suppress(Exception):
+            transport.close()  # polls the Popen, which now has its code: no wait
 
 
 def _remove_shared_memory(pids: Iterable[int]) -> None:

@@ -204,6 +204,8 @@ class Master:
         self.on_client: Callable[[bytes, FromClient], None] | None = None
         self.serves_clients = serves_clients
         self._closed = False
+        #: Every socket is closed (by ``aclose`` or ``close_now``).
+        self._released = False
 
     @property
     def orch(self) -> Orchestrator:
@@ -622,14 +624,16 @@ class Master:
 
     def close_now(self) -> None:
         """Close every socket without awaiting anything: for a master whose event loop has
-        closed, whose tasks died with it; idempotent.
+        closed (its tasks died with it), or whose ``aclose`` was interrupted; idempotent.
 
         Raises:
             Nothing.
         """
-        if self._closed:
-            return
         self._closed = True
+        if self._released:
+            return
+        self._released = True
+        self.startup.fail("the pipeline was closed while it started")
         if self.local is not None:
             with contextlib.suppress(Exception):  # its loop is closed: only sockets to close
                 self.local.close()
@@ -653,6 +657,8 @@ class Master:
         if self._closed:
             return
         self._closed = True
+        # A start still waiting for its replicas ends now, saying why.
+        self.startup.fail("the pipeline was closed while it started")
         for rep in self.replicas.values():
             if rep.alive:
                 self._send(rep.identity, Shutdown(CLOSING))
@@ -670,4 +676,5 @@ class Master:
         self.inbox.close(linger=0)
         stop_guard(self.zctx)
         self.zctx.term()
+        self._released = True
         self._unlink_ipc()

@@ -61,6 +61,7 @@ from pipeline._errors import (
     RequestAborted,
     RequestTimeout,
 )
+from pipeline._lifecycle import LoopBound
 from pipeline._logging import configure_logging
 from pipeline._messages import (
     WIRE_CODEC,
@@ -116,7 +117,7 @@ def _codec(path: str, missing: dict[str, str]) -> tuple[Any, PayloadCodec[Any]]:
         return Any, codec_for(Any)
 
 
-class RemotePipeline:
+class RemotePipeline(LoopBound):
     """A client of a pipeline served by a remote master (``stagewire master``).
 
     Made by :meth:`Pipeline.connect`; use as ``async with``. Its ``submit``, ``stream``
@@ -132,6 +133,8 @@ class RemotePipeline:
         device: where output tensors land (``"cpu"``, ``"cuda:1"``), whatever device
             they were sent from; None: the device each was sent from.
     """
+
+    _what = "remote pipeline"
 
     def __init__(
         self,
@@ -241,6 +244,7 @@ class RemotePipeline:
             raise RuntimeError("a RemotePipeline connects once")
         if not structlog.is_configured():
             configure_logging()
+        self._bind()
         loop = asyncio.get_running_loop()
         try:
             self._link.open()
@@ -420,9 +424,10 @@ class RemotePipeline:
         Raises:
             PayloadError: it does not match the source's type, or is too large.
             MasterUnavailable: it could not be sent (the connection is gone).
-            RuntimeError: the client is not connected.
+            RuntimeError: the client is not connected, or runs on another event loop.
         """
         welcome = self._welcomed()
+        self._check_here()
         if len(welcome.sources) != 1:
             raise PayloadError(
                 f"this pipeline has several sources ({welcome.sources}); a remote master "
@@ -544,9 +549,10 @@ class RemotePipeline:
         """Cancel a request in every stage; False if it had already ended (or is not ours).
 
         Raises:
-            RuntimeError: the client is not connected.
+            RuntimeError: the client is not connected, or runs on another event loop.
         """
         self._welcomed()
+        self._check_here()
         call = self._by_id.get(request_id)
         if call is None:
             return False
@@ -566,6 +572,7 @@ class RemotePipeline:
             RuntimeError: the client is not connected.
         """
         welcome = self._welcomed()
+        self._check_here()
         token = next(self._stats_tokens)
         answer = asyncio.get_running_loop().create_future()
         self._stats_asked[token] = answer
@@ -649,11 +656,20 @@ class RemotePipeline:
     async def aclose(self) -> None:
         """Abort the requests still in flight at the master, and disconnect; idempotent.
 
-        The master and its workers go on serving.
+        The master and its workers go on serving. Callers at once all wait for the one
+        close; from another event loop it runs on the client's own, or, if that loop has
+        closed, the connection is dropped at once.
 
         Raises:
             Nothing.
         """
+        await self._close_once()
+
+    def _close_now(self) -> None:
+        self._closed = True
+        self._link.close_now()
+
+    async def _close(self) -> None:
         if self._closed:
             return
         for call in list(self._calls.values()):
@@ -670,7 +686,11 @@ class RemotePipeline:
         # Cancels sent just before (a stream left, then the client closed) must leave too:
         # the linger holds only what has not left yet, and only that long.
         self._link.close(linger=CANCEL_LINGER_MS)
-        if self._watchdog is not None:
-            await asyncio.gather(self._watchdog, return_exceptions=True)
-        # Terminating waits (at most the linger) for the cancels to leave: not in the loop.
-        await self._link.aclose()
+        try:
+            if self._watchdog is not None:
+                await asyncio.gather(self._watchdog, return_exceptions=True)
+            # Terminating waits (at most the linger) for the cancels to leave: not in the loop.
+            await self._link.aclose()
+        except BaseException:
+            self._link.close_now()  # cancelled: the context must not outlive the client
+            raise

@@ -18,6 +18,7 @@ requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -252,6 +253,19 @@ class MasterLink:
         """Close the socket, letting what it still holds leave for ``linger`` ms; the
         context is terminated by :meth:`aclose`."""
         self._close_socket(linger)
+
+    def close_now(self) -> None:
+        """Close the socket and terminate the context without awaiting (for a client whose
+        event loop has closed, or whose close was cancelled); idempotent.
+
+        Raises:
+            Nothing.
+        """
+        with contextlib.suppress(Exception):  # a reader on a closed loop
+            self._close_socket(linger=0)
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.destroy(linger=0)
 
     async def aclose(self) -> None:
         """Close the socket (at once) and terminate the context; idempotent.

@@ -520,3 +520,39 @@ async def test_a_master_that_freezes_dies_or_restarts_fails_requests_in_flight(
             await wait_for(greeted, timeout=10)
     finally:
         kill_all(procs)
+
+
+async def test_a_client_is_used_from_its_own_loop_and_closed_from_any(words: Served) -> None:
+    """Another loop's submit is refused at once (it hung until its own timer fired, and
+    touched the socket from a second thread); two closes at once both wait for the context
+    to end; a client whose loop has closed says so, and its close from this loop drops the
+    connection at once (it raised "Event loop is closed" and leaked the context)."""
+    client = Pipeline.connect(words.endpoint)
+    await client.start()
+    got: list[BaseException | Any] = []
+
+    def other_loop() -> None:
+        try:
+            got.append(asyncio.run(client.submit(Text("x"))))
+        except BaseException as exc:  # handed back to the test
+            got.append(exc)
+
+    await asyncio.to_thread(other_loop)
+    assert isinstance(got[0], RuntimeError) and "another event loop" in str(got[0]), got
+    assert await client.submit(Text("a b")) == {"relay": Token(1, "b"), "count": Text("2")}
+    link = client._link
+    ended: list[bool] = []
+
+    async def close() -> None:
+        await client.aclose()
+        ended.append(link._ctx is None)
+
+    await asyncio.wait_for(asyncio.gather(close(), close()), 20)
+    assert ended == [True, True]
+
+    stranded = Pipeline.connect(words.endpoint)
+    await asyncio.to_thread(asyncio.run, stranded.start())  # its loop closes with the thread
+    with pytest.raises(RuntimeError, match="has closed"):
+        await stranded.submit(Text("y"))
+    await asyncio.wait_for(stranded.aclose(), 5)
+    assert stranded._link._ctx is None

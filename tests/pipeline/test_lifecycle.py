@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import pytest
 
-from pipeline import Pipeline, StageUnavailable
+from pipeline import Pipeline, PipelineError, StageUnavailable
 from stages.text import Text, Token
 from tests.pipeline.conftest import spec, wait_for
 from tests.procs import alive
@@ -164,3 +164,38 @@ async def test_a_start_that_fails_stops_its_workers_without_a_grace_period() -> 
     # 1 s of start-up timeout, then SIGTERM; a grace period first made it 6 s at least.
     assert time.monotonic() - began < 5.0
     assert not pipe.worker_pids
+
+
+async def test_a_close_during_start_ends_the_start_and_leaves_nothing() -> None:
+    """A close while the start still spawns workers: the start fails saying so, the close
+    returns promptly, and no worker is left (those spawned after the close began were left
+    running, and the close waited minutes for them)."""
+    pipe = Pipeline(spec({"echo": {"impl": ":Echo", "replicas": 6}}, []))
+    starting = asyncio.ensure_future(pipe.start())
+    await wait_for(lambda: len(pipe.worker_pids) >= 1, 20, interval=0.001)
+    launcher = pipe._launcher
+    assert launcher is not None
+    await asyncio.wait_for(pipe.aclose(), 15)
+    with pytest.raises(PipelineError, match="closed while it started"):
+        await asyncio.wait_for(starting, 15)
+    await _gone(list(launcher.started))
+
+
+async def test_a_close_task_cancelled_midway_leaves_nothing_and_later_closes_quiet() -> None:
+    """A shutdown handler cancels every task while the close waits for a busy worker: the
+    workers are killed and the sockets closed then, and a later aclose returns quietly
+    (it raised the stored CancelledError)."""
+    pipe = Pipeline(spec({"hog": ":Hog"}, []))
+    await pipe.start()
+    pids = list(pipe.worker_pids.values())
+    busy = asyncio.ensure_future(pipe.submit(Text("30")))
+    await wait_for(lambda: pipe._master_or_fail().orch.statistics()["active"] == 1, 10)
+    master = pipe._master_or_fail()
+    closing = asyncio.ensure_future(pipe.aclose())
+    # The master closed, the launcher's grace period begins: the worker is busy for 30 s.
+    await wait_for(lambda: master.router.closed, 10)
+    assert pipe._closing is not None
+    pipe._closing.cancel()
+    await asyncio.gather(closing, busy, return_exceptions=True)
+    assert not any(alive(p) for p in pids)
+    await asyncio.wait_for(pipe.aclose(), 5)

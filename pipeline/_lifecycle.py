@@ -1,0 +1,93 @@
+"""Closing, from anywhere, an object whose tasks and sockets live on one event loop.
+
+The embedded :class:`~pipeline._api.Pipeline` and the remote client both start on the
+running loop and keep tasks, futures and socket readers there. :class:`LoopBound` holds that
+loop, refuses coroutines run on another one, and gives them one ``aclose`` that holds
+however it is reached:
+
+- callers at once share one close task, and all wait for it;
+- a caller cancelled meanwhile leaves the close running (a cancelled close must do what
+  cannot wait at once: the subclass's ``_close`` sees to that);
+- from another loop, the close runs on the owner's loop if it still runs, or, if that loop
+  has closed, what can be done without awaiting is done at once (``_close_now``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+__all__ = ("LoopBound",)
+
+
+class LoopBound:
+    """A mix-in: call :meth:`_bind` in ``start``, :meth:`_check_here` in coroutines, and
+    :meth:`_close_once` in ``aclose``; provide ``_close`` and ``_close_now``."""
+
+    #: What error messages call the object ("pipeline", "remote pipeline").
+    _what = "object"
+    _loop: asyncio.AbstractEventLoop | None = None
+    _closing: asyncio.Task[None] | None = None
+
+    def _bind(self) -> None:
+        """Belong to the running loop, with no close done or under way."""
+        self._loop = asyncio.get_running_loop()
+        self._closing = None
+
+    def _check_here(self) -> None:
+        """Refuse a coroutine running on another loop than the one :meth:`_bind` saw.
+
+        Raises:
+            RuntimeError: saying which, and what to do.
+        """
+        loop = self._loop
+        if loop is None or asyncio.get_running_loop() is loop:
+            return
+        if loop.is_closed():
+            raise RuntimeError(
+                f"the event loop this {self._what} was started on has closed (its tasks "
+                f"with it): call 'await aclose()' to release it, then start a new one in "
+                "this loop"
+            )
+        raise RuntimeError(
+            f"this {self._what} runs on another event loop: use it from the loop that "
+            "started it (each loop needs one of its own)"
+        )
+
+    @property
+    def _still_closing(self) -> bool:
+        return self._closing is not None and not self._closing.done()
+
+    async def _close_once(self) -> None:
+        """Run the close (see the module docstring); nothing if never started.
+
+        Raises:
+            asyncio.CancelledError: this caller was cancelled (the close goes on).
+        """
+        loop = self._loop
+        if loop is None:
+            return
+        if asyncio.get_running_loop() is not loop:
+            if loop.is_running():
+                there = asyncio.run_coroutine_threadsafe(self._close_once(), loop)
+                await asyncio.wrap_future(there)
+            else:
+                self._close_now()
+            return
+        task = self._closing
+        if task is None:
+            task = self._closing = loop.create_task(self._close())
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or not current.cancelling()):
+                return  # the close was cancelled, not this caller: it did what it could
+            raise
+
+    async def _close(self) -> None:
+        """Close on the owner's loop; if cancelled, release at once what it has not."""
+        raise NotImplementedError
+
+    def _close_now(self) -> None:
+        """Release everything without awaiting: the owner's loop has closed."""
+        raise NotImplementedError
