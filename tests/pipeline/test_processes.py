@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
-from pipeline import Pipeline, PipelineError, StageUnavailable
+from pipeline import Pipeline, PipelineError, PipelineSpec, StageUnavailable
 from pipeline._config import MasterSpec
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
@@ -28,6 +28,22 @@ async def _gone(pids: list[int], timeout: float = 10.0) -> None:
         return not any(alive(p) for p in pids)
 
     await wait_for(probe, timeout=timeout)
+
+
+def _lingering(tmp_path: Path, **defaults: Any) -> tuple[Path, PipelineSpec]:
+    """src (Tokens) -> sink (Lingers, until told through the FIFO returned), and its spec."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    sink = {"impl": ":Lingers", "env": {"LINGER_FIFO": str(fifo)}}
+    return fifo, spec({"src": ":Tokens", "sink": sink}, [("src", "sink")], **defaults)
+
+
+def _go(fifo: Path) -> None:
+    """Let a stage waiting on ``fifo`` (LINGER_FIFO) go on; nothing if none waits on it."""
+    with contextlib.suppress(OSError):  # no reader (a failure before it read)
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.write(fd, b"go\n")
+        os.close(fd)
 
 
 def _write_config(tmp_path: Path, stage: str = "Echo", replicas: int = 1) -> Path:
@@ -133,11 +149,8 @@ async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_nee
     it finished (its handler ended, and the sink said it had every payload: inline, inside
     its envelope; by shm or network, got from the transport) while the sink still works on
     it: that one completes, its shm segment unlinked under the sink's mapping."""
-    fifo = tmp_path / "go"
-    os.mkfifo(fifo)
-    s = spec(
-        {"src": ":Tokens", "sink": {"impl": ":Lingers", "env": {"LINGER_FIFO": str(fifo)}}},
-        [("src", "sink")],
+    fifo, s = _lingering(
+        tmp_path,
         # What workers report of their requests goes within 0.1 s, beats or not.
         heartbeat_interval="10s",
         heartbeat_timeout="30s",
@@ -159,10 +172,7 @@ async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_nee
                 await stalled
             assert not finished.done()  # the sink holds it until told through the FIFO
         finally:
-            with contextlib.suppress(OSError):  # no reader (a failure before it read)
-                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-                os.write(fd, b"go\n")
-                os.close(fd)
+            _go(fifo)
         assert await finished == Text("a b c")
 
 
@@ -199,10 +209,7 @@ async def test_a_replica_feeding_a_join_is_done_once_each_consumer_has_its_part(
             await wait_for(lambda: not orch.replicas["pre"][0].ready, timeout=40)
             assert not request.done()
         finally:
-            with contextlib.suppress(OSError):  # no reader (a failure before it read)
-                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-                os.write(fd, b"go\n")
-                os.close(fd)
+            _go(fifo)
         assert await asyncio.wait_for(request, 20) == Text("abc|3")
 
 
@@ -247,13 +254,7 @@ async def test_outputs_that_cannot_be_read_fail_their_request_at_once(tmp_path: 
     from pipeline import TransportError
     from pipeline._messages import Chunks, encode_batch
 
-    fifo = tmp_path / "go"
-    os.mkfifo(fifo)
-    s = spec(
-        {"src": ":Tokens", "sink": {"impl": ":Lingers", "env": {"LINGER_FIFO": str(fifo)}}},
-        [("src", "sink")],
-        chunk_timeout="1h",
-    )
+    fifo, s = _lingering(tmp_path, chunk_timeout="1h")
     async with Pipeline(s) as pipe:
         request = asyncio.ensure_future(pipe.submit(Text("a b")))
         orch = pipe._master_or_fail().orch
@@ -272,10 +273,7 @@ async def test_outputs_that_cannot_be_read_fail_their_request_at_once(tmp_path: 
                 await asyncio.wait_for(request, 10)
         finally:
             ctx.term()
-            with contextlib.suppress(OSError):  # no reader (a failure before it read)
-                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-                os.write(fd, b"go\n")
-                os.close(fd)
+            _go(fifo)
 
 
 async def test_garbage_on_sockets_is_dropped_and_counted() -> None:
