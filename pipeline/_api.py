@@ -353,6 +353,7 @@ class Pipeline(LoopBound):
             PayloadError: the input or a payload did not match its declared type.
             RequestTimeout: the request passed its deadline.
             RequestAborted: the request was aborted.
+            RuntimeError: the pipeline is not running, or runs on another event loop.
         """
         last: dict[str, Any] = {}
         stream = self.stream(value)
@@ -372,7 +373,7 @@ class Pipeline(LoopBound):
         """Cancel a request in every stage; False if it had already ended.
 
         Raises:
-            RuntimeError: the pipeline is not running.
+            RuntimeError: the pipeline is not running, or runs on another event loop.
         """
         return self._master_here().orch.abort(request_id, reason)
 
@@ -382,7 +383,7 @@ class Pipeline(LoopBound):
         Replicas that do not answer within a few seconds are left out.
 
         Raises:
-            RuntimeError: the pipeline is not running.
+            RuntimeError: the pipeline is not running, or runs on another event loop.
         """
         master = self._master_here()
         return {

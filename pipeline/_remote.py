@@ -528,7 +528,7 @@ class RemotePipeline(LoopBound):
             RequestTimeout: the request passed its deadline.
             RequestAborted: the request was aborted, or the client closed.
             PipelineError: the master answered out of turn (a request it had not admitted).
-            RuntimeError: the client is not connected.
+            RuntimeError: the client is not connected, or runs on another event loop.
         """
         sinks = self._welcomed().sinks
         last: dict[str, Any] = {}
@@ -569,7 +569,7 @@ class RemotePipeline(LoopBound):
         Raises:
             MasterUnavailable: the master did not answer within ``timeout``, or the question
                 could not be sent.
-            RuntimeError: the client is not connected.
+            RuntimeError: the client is not connected, or runs on another event loop.
         """
         welcome = self._welcomed()
         self._check_here()
