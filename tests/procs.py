@@ -4,10 +4,12 @@ commands started (and, whatever happens, killed) by a test."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -39,6 +41,31 @@ def alive(pid: int) -> bool:
         return _stat_fields(pid)[0] != "Z"
     except OSError:
         return False
+
+
+def wait_exited(pids: Iterable[int], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for every process of ``pids`` to exit (each through a
+    pidfd, which becomes readable at its exit); whether all did."""
+    poller = select.poll()
+    fds = []
+    try:
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue  # gone already
+            fds.append(fd)
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        left = len(fds)
+        while left and (remaining := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(int(remaining * 1000) + 1):
+                poller.unregister(fd)
+                left -= 1
+        return left == 0
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def free_port() -> int:

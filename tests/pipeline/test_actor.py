@@ -147,7 +147,8 @@ async def test_a_replica_reports_its_ended_and_drained_requests(
         # The replica's only handler slot is taken: the chunk arrives, and waits unread.
         async with actor._sem:
             actor.on_data([encode_batch([run.seal()])])
-            await asyncio.sleep(0)
+            # Its handler has started and waits for the slot: it could take the chunk.
+            await wait_for(lambda: bool(actor._sem._waiters), 5, interval=0)
             assert actor.inflight == 1
             assert actor.take_reports() == ([], [("r1", "up")] if transport == "inline" else [])
         await wait_for(lambda: not actor.inflight, 5)

@@ -15,7 +15,7 @@ import pytest
 from pipeline import Pipeline, PipelineError, StageUnavailable
 from stages.text import Text, Token
 from tests.pipeline.conftest import spec, wait_for
-from tests.procs import alive
+from tests.procs import alive, wait_exited
 
 T = TypeVar("T")
 
@@ -111,10 +111,7 @@ def test_a_close_cancelled_as_its_loop_ends_kills_the_workers() -> None:
         busy.cancel()
 
     asyncio.run(main())  # cancels the close still running
-    deadline = time.monotonic() + 5
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert pids and not any(alive(p) for p in pids)
+    assert pids and wait_exited(pids, 5)
 
 
 async def test_a_pipeline_is_used_from_the_loop_that_started_it_only() -> None:
