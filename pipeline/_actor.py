@@ -460,6 +460,8 @@ class StageActor:
         inflow = req.inflows[run.edge]
         buf = inflow.buffer
         self.counts["duplicates"] += file_run(inflow, run, items)
+        if run.transport in channel.needs_producer:
+            inflow.fragile = True
         if buf.buffered > self.peak_buffered:
             self.peak_buffered = buf.buffered
         # (Runs of one producer arrive in order, but a final one may come before a gap in
@@ -480,10 +482,13 @@ class StageActor:
     def _tell_drained(self, request_id: str, edge: str, inflow: Inflow) -> None:
         """Report that every payload of ``request_id`` on ``edge`` is here: each arrived
         inside its envelope, or was got from a transport whose payloads outlive their
-        producer (or the handler ended, needing no more)."""
+        producer (or the handler ended, needing no more); unless one came by a transport
+        whose payloads do not."""
         inflow.told = True
         src = self._sources[edge]
-        if src != CLIENT and len(self._reports) < REPORTS_MEMORY:
+        # A payload that needs its producer even once got is never reported: its producer
+        # stays bound to the request (and its death fails it) until the request ends.
+        if src != CLIENT and not inflow.fragile and len(self._reports) < REPORTS_MEMORY:
             self._reports.append((request_id, src))
 
     def _evict_unadmitted(self) -> bool:
@@ -635,6 +640,11 @@ class StageActor:
             else:
                 drained.append(report)
         return ended, drained
+
+    def reports_left(self) -> int:
+        """Reports queued for a later :meth:`take_reports` (called from the heartbeat
+        thread)."""
+        return len(self._reports)
 
     def _handler_failed(self, req: _Request, exc: Exception) -> None:
         """Fail the request whose handler raised ``exc``."""

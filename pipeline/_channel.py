@@ -186,6 +186,16 @@ def _one_by_one(recv: TransportReceiver) -> Callable[[msgspec.Raw], Sequence[Des
     return decode
 
 
+def needing_producer(names: Sequence[str]) -> frozenset[str]:
+    """Those of transports ``names`` whose payloads need their producer's process even
+    once got (they do not declare ``survives_producer``: cuda_ipc, plug-ins by default)."""
+    return frozenset(
+        n
+        for n in names
+        if not getattr(resolve_transport(n).capabilities, "survives_producer", False)
+    )
+
+
 def file_run(inflow: Inflow, run: Chunks, items: list[Item]) -> int:
     """Offer a run's items to the inflow's buffer under their seqs; how many it refused."""
     buffer = inflow.buffer
@@ -232,6 +242,7 @@ class Inflow:
         "buffer",
         "credit_due",
         "fetching",
+        "fragile",
         "held",
         "sender",
         "taken",
@@ -265,6 +276,9 @@ class Inflow:
         self.unfetched = 0
         #: The owner has reported this inflow drained (a mark of the owner's own).
         self.told = False
+        #: A payload came by a transport that needs its producer even once got (see
+        #: :func:`needing_producer`): however drained, the producer stays needed.
+        self.fragile = False
 
     @property
     def drained(self) -> bool:
@@ -444,11 +458,7 @@ class OutputChannel:
         )
         # Transports whose payloads need this process even once their consumer got them
         # (cuda_ipc's imported memory): a request that sent by one is never done here early.
-        self._needs_producer = frozenset(
-            n
-            for n in edge.names
-            if not getattr(resolve_transport(n).capabilities, "survives_producer", False)
-        )
+        self._needs_producer = needing_producer(edge.names)
         self.chunks = 0
         self.bytes = 0
         self.fallbacks = 0
@@ -850,6 +860,8 @@ class InputChannel:
         self._codec = codec_for(plan.payload_type)
         self._ctx = EdgeContext(plan.name, host, plan.transport.options, plan.inline_threshold)
         self._transports = plan.transports
+        #: Transports whose payloads need their producer even once got (see Inflow.fragile).
+        self.needs_producer = needing_producer(plan.transports.names)
         self._receivers: dict[str, TransportReceiver] = {}
         self._decoders: dict[str, Callable[[msgspec.Raw], Sequence[Descriptor | None]]] = {}
         #: The inline receiver once opened: its payloads are read without a coroutine.

@@ -135,6 +135,12 @@ class DefaultsSpec(_Spec):
     # may exceed it, and every process that reads the spec must refuse that alike.
     heartbeat_timeout: Annotated[Timeout, Field(validate_default=True)] = 5.0
     """Silence after which a replica is declared dead; must exceed the interval."""
+    report_interval: Annotated[Timeout, Field(ge=0.01)] = 0.1
+    """How soon a worker tells the master which requests ended there and which have all
+    their payloads there, when its next heartbeat is later. Once both sides of an edge
+    have told, the producer's death no longer fails the request (a long decode outlives
+    a crashed prefill); when a replica dies, the master asks its consumers at once anyway.
+    Shorter means fresher reports, at a control message per interval and worker."""
     startup_timeout: Timeout = 60.0
     """How long the master waits for every replica to come up."""
     replica_wait: Duration = 10.0

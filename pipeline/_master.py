@@ -53,6 +53,7 @@ from pipeline._messages import (
     PeerTable,
     Ready,
     Register,
+    ReportAsk,
     SetupFailed,
     Shutdown,
     StatsReply,
@@ -62,7 +63,7 @@ from pipeline._messages import (
 from pipeline._messages import (
     encode_message as _encode,
 )
-from pipeline._orchestrator import Orchestrator, ReplicaView
+from pipeline._orchestrator import InDoubt, Orchestrator, ReplicaView
 from pipeline._pulse import pulse_identity
 from pipeline._security import CurveKeys, secure_server, stop_guard
 from pipeline._signature import EdgePlan, PipelinePlan
@@ -84,6 +85,9 @@ log = structlog.get_logger("stagewire.master")
 #: A replica heard from within this many heartbeat intervals is alive: a second worker
 #: registering for its slot is refused rather than let displace it.
 LIVE_WITHIN_BEATS = 2
+#: How long a dead replica's requests in doubt wait at most for its consumers to tell what
+#: they have (a consumer answers from its heartbeat thread, within milliseconds).
+ASK_WAIT_S = 0.5
 _decode = msgspec.msgpack.Decoder(ControlToMaster).decode
 
 
@@ -101,6 +105,16 @@ class _Replica:
     inflight: int = 0
     local: str = ""
     pidns: int = 0
+
+
+@dataclass(slots=True)
+class _Ask:
+    """Consumers asked for their reports about a dead replica's requests in doubt."""
+
+    doubt: InDoubt
+    #: The (stage, replica) pairs yet to answer.
+    waiting: set[tuple[str, int]]
+    timer: asyncio.TimerHandle
 
 
 @dataclass(slots=True)
@@ -190,6 +204,8 @@ class Master:
         self._host_local_edges = _host_local_edges(plan)
         self.garbage = 0
         self._tokens = itertools.count(1)
+        #: Asks of consumers about dead replicas' requests, by token.
+        self._asks: dict[int, _Ask] = {}
         self._stats: dict[int, tuple[asyncio.Future[None], list[dict[str, Any]], int]] = {}
         #: Told ``(stage, replica, pid)`` when a replica on this host is declared dead for
         #: silence while its process may still run (hung, or stopped): whoever started it
@@ -353,10 +369,12 @@ class Master:
             return
         rep.last_seen = time.monotonic()
         match msg:
-            case Heartbeat(inflight=inflight, ended=ended, drained=drained):
+            case Heartbeat(inflight=inflight, ended=ended, drained=drained, answers=answers):
                 rep.inflight = inflight
                 if ended or drained:
                     self.orch.stage_reported(rep.stage, ended, drained)
+                if answers:
+                    self._answered(answers, (rep.stage, rep.replica))
             case Ready():
                 rep.ready = True
                 self.orch.replica_ready(rep.stage, rep.replica)
@@ -530,12 +548,72 @@ class Master:
         rep.alive = False
         rep.ready = False
         self.outbox.forget(rep.endpoint)
-        failed = self.orch.replica_lost(stage, replica, why)
+        # A consumer asked about an earlier death will not answer now.
+        for token, ask in list(self._asks.items()):
+            if (stage, replica) in ask.waiting:
+                self._answered(token, (stage, replica))
+        doubt = self.orch.replica_lost(stage, replica, why)
         self.orch.readers_gone({rep.endpoint})
         # The others drop their links to it and what their transports hold for it.
         self._broadcast_peers()
-        log.warning("replica_dead", stage=stage, replica=replica, why=why, failed=failed)
+        log.warning(
+            "replica_dead",
+            stage=stage,
+            replica=replica,
+            why=why,
+            failed=doubt.failed,
+            in_doubt=len(doubt.requests),
+        )
         self.startup.fail(f"stage {stage!r} replica {replica} {why} during start-up")
+        if doubt.requests:
+            self._ask_consumers(doubt)
+
+    def _ask_consumers(self, doubt: InDoubt) -> None:
+        """Ask the consumers of a dead replica's requests in doubt for the reports they
+        have not sent yet; judge the requests once every one has answered, or after
+        :data:`ASK_WAIT_S`.
+
+        A request whose every consumer of the replica already has every payload from it
+        goes on; waiting for the consumers' next periodic reports instead would fail every
+        request shorter than ``report_interval``.
+        """
+        token = next(self._tokens)
+        waiting = set()
+        if not self._closed:
+            ask = ReportAsk(token)
+            for key in doubt.asks:
+                rep = self.replicas.get(key)
+                if rep is not None and rep.alive and self._send(pulse_identity(rep.identity), ask):
+                    waiting.add(key)
+        if not waiting:
+            self._judge(doubt)
+            return
+        timer = asyncio.get_running_loop().call_later(ASK_WAIT_S, self._answered, token, None)
+        self._asks[token] = _Ask(doubt, waiting, timer)
+
+    def _answered(self, token: int, replica: tuple[str, int] | None) -> None:
+        """``replica`` answered ask ``token`` (None: its time is up)."""
+        ask = self._asks.get(token)
+        if ask is None:
+            return
+        if replica is not None:
+            ask.waiting.discard(replica)
+            if ask.waiting:
+                return
+        del self._asks[token]
+        ask.timer.cancel()
+        self._judge(ask.doubt)
+
+    def _judge(self, doubt: InDoubt) -> None:
+        before = doubt.failed
+        kept = self.orch.judge(doubt)
+        log.info(
+            "requests_in_doubt_judged",
+            stage=doubt.stage,
+            replica=doubt.replica,
+            went_on=kept,
+            failed=doubt.failed - before,
+        )
 
     def _declare_exited(self, stage: str) -> None:
         """Declare dead every replica of ``stage`` on this host whose process has exited
@@ -630,6 +708,7 @@ class Master:
             Nothing.
         """
         self._closed = True
+        self._drop_asks()
         if self._released:
             return
         self._released = True
@@ -640,6 +719,12 @@ class Master:
         stop_guard(self.zctx)
         self.zctx.destroy(linger=0)
         self._unlink_ipc()
+
+    def _drop_asks(self) -> None:
+        """Forget the asks still waiting: the requests in doubt end with the pipeline."""
+        for ask in self._asks.values():
+            ask.timer.cancel()
+        self._asks.clear()
 
     def _unlink_ipc(self) -> None:
         for endpoint in (self.endpoint, self.data_endpoint):
@@ -657,6 +742,7 @@ class Master:
         if self._closed:
             return
         self._closed = True
+        self._drop_asks()
         # A start still waiting for its replicas ends now, saying why.
         self.startup.fail("the pipeline was closed while it started")
         for rep in self.replicas.values():

@@ -43,6 +43,7 @@ __all__ = (
     "Peers",
     "Ready",
     "Register",
+    "ReportAsk",
     "SetupFailed",
     "Shutdown",
     "Started",
@@ -197,13 +198,24 @@ class Heartbeat(_Msg, frozen=True, tag="hb"):
     """Liveness, both ways; ``inflight`` counts requests the sender holds. From a worker,
     since its last beat: ``ended``, requests whose handler ended there, nothing it sent
     needing that process once got; ``drained``, (request id, upstream stage) pairs: all the
-    payloads of that request from that stage are there (see ``StageActor.take_reports``)."""
+    payloads of that request from that stage are there (see ``StageActor.take_reports``).
+    ``answers``: the :class:`ReportAsk` whose answer this beat completes (0: none); every
+    report the worker had when the ask came went in it or an earlier beat."""
 
     stage: str
     replica: int
     inflight: int = 0
     ended: tuple[str, ...] = ()
     drained: tuple[tuple[str, str], ...] = ()
+    answers: int = 0
+
+
+class ReportAsk(_Msg, frozen=True, tag="report?"):
+    """From the master to a worker's heartbeat thread: send what you have to report of
+    your requests now, with ``answers`` set to ``token``. Asked of a dead replica's
+    consumers before failing its requests: a request they have every payload of goes on."""
+
+    token: int
 
 
 class Failed(_Msg, frozen=True, tag="failed"):

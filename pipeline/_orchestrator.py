@@ -41,7 +41,14 @@ from pipeline._messages import Abort, Admit, Chunks, Credit, DataMessage, Drop, 
 from pipeline._signature import PipelinePlan
 from pipeline._sockets import MAX_FRAMES, SendData
 
-__all__ = ("DROP_BATCH", "DROP_DELAY_S", "ClientRequest", "Orchestrator", "ReplicaView")
+__all__ = (
+    "DROP_BATCH",
+    "DROP_DELAY_S",
+    "ClientRequest",
+    "InDoubt",
+    "Orchestrator",
+    "ReplicaView",
+)
 
 #: How long the ``Drop`` of a completed request waits, to leave with the others due. A
 #: stage forgets a request itself once its handler has ended, and a consumer that returns
@@ -75,6 +82,23 @@ class ReplicaView:
         #: Dead, and its launcher will not restart it: nobody waits for it.
         self.given_up = False
         self.requests: set[str] = set()
+
+
+class InDoubt:
+    """The requests a dead replica held that may not need it any more: judged once the
+    consumers it sends to (``asks``, as (stage, replica)) have told what they have."""
+
+    __slots__ = ("asks", "failed", "replica", "requests", "stage", "view", "why")
+
+    def __init__(self, stage: str, replica: int, why: str) -> None:
+        self.stage = stage
+        self.replica = replica
+        self.why = why
+        self.view: ReplicaView | None = None
+        self.requests: list[str] = []
+        self.asks: set[tuple[str, int]] = set()
+        #: Requests failed for the replica's death so far.
+        self.failed = 0
 
 
 class ClientRequest:
@@ -475,20 +499,63 @@ class Orchestrator:
             if view is not None:
                 view.requests.discard(req.request_id)
 
-    def replica_lost(self, stage: str, replica: int, why: str) -> int:
-        """Fail every request that still needs a dead replica; how many.
+    def replica_lost(self, stage: str, replica: int, why: str) -> InDoubt:
+        """A replica died: fail at once the requests that surely still needed it, and
+        return those that may not have, for :meth:`judge` once their consumers have told
+        what they have.
 
-        Those it is done with (see :meth:`stage_reported`) go on: a replica killed while a
-        long decode runs downstream fails no request whose inputs decode already has.
+        Those it is known to be done with (see :meth:`stage_reported`) go on: a replica
+        killed while a long decode runs downstream fails no request whose inputs decode
+        already has. The rest are in doubt: its consumers' latest reports may not have
+        come yet (they go every ``report_interval``); the requests of a sink, which the
+        client reads, never are.
         """
+        doubt = InDoubt(stage, replica, why)
         view = self.replicas[stage].get(replica)
         if view is None:
-            return 0
+            return doubt
         view.ready = False
-        lost = list(view.requests)
-        for rid in lost:
-            self.fail(rid, StageUnavailable(stage, f"replica {replica} {why}", request_id=rid))
-        return len(lost)
+        doubt.view = view
+        downstream = self._downstream[stage]
+        for rid in list(view.requests):
+            req = self.requests.get(rid)
+            if req is None:
+                view.requests.discard(rid)
+                continue
+            missing = [edge[1] for edge in downstream if edge not in req.drained]
+            if not downstream:
+                self._lost(doubt, rid)
+            elif missing:
+                doubt.requests.append(rid)
+                doubt.asks.update((dst, req.route[dst]) for dst in missing)
+            else:
+                # Every consumer has every payload of it: whatever the dead handler still
+                # did, nothing it sent is needed from its process.
+                view.requests.discard(rid)
+        return doubt
+
+    def judge(self, doubt: InDoubt) -> int:
+        """Fail the requests in ``doubt`` that a consumer of the dead replica has not got
+        every payload of (as reported by now); how many of the others go on (those that
+        ended meanwhile are neither)."""
+        downstream = self._downstream[doubt.stage]
+        kept = 0
+        for rid in doubt.requests:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.drained.issuperset(downstream):
+                kept += 1
+                if doubt.view is not None:
+                    doubt.view.requests.discard(rid)
+            else:
+                self._lost(doubt, rid)
+        return kept
+
+    def _lost(self, doubt: InDoubt, rid: str) -> None:
+        why = f"replica {doubt.replica} {doubt.why}"
+        self.fail(rid, StageUnavailable(doubt.stage, why, request_id=rid))
+        doubt.failed += 1
 
     # ---- data ----------------------------------------------------------------------------
 

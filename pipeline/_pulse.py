@@ -4,29 +4,33 @@ A stage may hold the event loop for seconds (a large prefill on the CPU, a model
 Heartbeats sent from the loop would stop meanwhile and the master would declare a healthy
 replica dead, so they come from a thread with its own ZMQ socket instead. The socket's
 identity is the control socket's plus ``/hb``, which the master accepts for that replica.
+
+The same thread answers the master's :class:`ReportAsk` at once. When a replica dies, the
+master asks its consumers for what they have not yet reported before it fails the
+replica's requests, and a consumer whose loop a long handler holds must still answer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+import msgspec
 import zmq
 
-from pipeline._messages import Heartbeat
+from pipeline._messages import Heartbeat, ReportAsk
 from pipeline._messages import encode_message as _encode
 from pipeline._security import process_keys, secure_client
 from pipeline._sockets import for_endpoint
 
-__all__ = ("Pulse", "pulse_identity")
+__all__ = ("Pulse", "Reporter", "pulse_identity")
 
-#: How soon what a worker has to report of its requests goes, in seconds (with a beat of
-#: its own, when the heartbeat interval is longer): a request its producer is done with
-#: outlives the producer's death only once the master knows.
-REPORT_EVERY_S = 0.1
+_decode_ask = msgspec.msgpack.Decoder(ReportAsk).decode
+#: Asks read per wake-up at most; more are garbage (the master sends one per death).
+_MAX_ASKS = 64
 
 
 def pulse_identity(control_identity: bytes) -> bytes:
@@ -34,10 +38,29 @@ def pulse_identity(control_identity: bytes) -> bytes:
     return control_identity + b"/hb"
 
 
+class Reporter(Protocol):
+    """What a beat tells; each method is called from the heartbeat thread, so each must be
+    safe to call from there while the event loop runs."""
+
+    def inflight(self) -> int:
+        """Requests the replica holds."""
+        ...
+
+    def take_reports(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """Requests ended, and (request, upstream stage) pairs drained, since the last call
+        (a bounded number per call)."""
+        ...
+
+    def reports_left(self) -> int:
+        """Reports still queued after the last :meth:`take_reports`."""
+        ...
+
+
 class Pulse:
-    """Sends ``Heartbeat`` every ``interval`` seconds until stopped, with what ``reports``
-    tells of requests (taken from the loop's thread: it must be safe to call from this
-    one)."""
+    """Sends ``Heartbeat`` every ``interval`` seconds until stopped, with what the
+    ``reporter`` tells of requests within ``report_every`` seconds, and at once when the
+    master asks (:class:`ReportAsk`, read by this thread itself, so a replica whose loop is
+    held by a long handler still answers)."""
 
     def __init__(
         self,
@@ -47,8 +70,8 @@ class Pulse:
         stage: str,
         replica: int,
         interval: float,
-        inflight: Callable[[], int],
-        reports: Callable[[], tuple[list[str], list[tuple[str, str]]]] | None = None,
+        reporter: Reporter,
+        report_every: float,
     ) -> None:
         self._zctx = zctx
         self._master = master
@@ -56,10 +79,14 @@ class Pulse:
         self._stage = stage
         self._replica = replica
         self._interval = interval
-        self._inflight = inflight
-        self._reports = reports
+        self._reporter = reporter
+        self._report_every = report_every
         self._stopped = threading.Event()
+        # stop() writes here, waking the thread out of its poll.
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._run, name="stagewire-pulse", daemon=True)
+        #: Asks the master's malformed or surplus messages to this thread, dropped.
+        self.garbage = 0
 
     def start(self) -> None:
         """Start beating."""
@@ -71,27 +98,67 @@ class Pulse:
         sock.setsockopt(zmq.LINGER, 0)
         # Heartbeats must not pile up while the master is unreachable: keep only a few.
         sock.setsockopt(zmq.SNDHWM, 4)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1024)
         for_endpoint(sock, self._master).connect(self._master)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        reporter = self._reporter
+        wait_ms = int(min(self._interval, self._report_every) * 1000)
         due = 0.0  # when the next beat is due even with nothing to report
+        asked = 0  # the latest ask not yet answered
         try:
             while not self._stopped.is_set():
                 # Reading an int another thread updates is safe under the GIL; a stale value
                 # only delays the master's view of the load by one beat.
-                ended, drained = self._reports() if self._reports is not None else ((), ())
+                ended, drained = reporter.take_reports()
+                left = reporter.reports_left()
                 now = time.monotonic()
-                if ended or drained or now >= due:
+                answer = asked if not left else 0
+                if ended or drained or now >= due or answer:
                     beat = Heartbeat(
-                        self._stage, self._replica, self._inflight(), tuple(ended), tuple(drained)
+                        self._stage,
+                        self._replica,
+                        reporter.inflight(),
+                        tuple(ended),
+                        tuple(drained),
+                        answer,
                     )
                     with contextlib.suppress(zmq.Again):
                         sock.send(_encode(beat), zmq.NOBLOCK)
                     due = now + self._interval
-                self._stopped.wait(min(self._interval, REPORT_EVERY_S))
+                    if answer:
+                        asked = 0
+                if left:
+                    continue  # more to tell at once
+                if poller.poll(wait_ms):
+                    asked = self._read_asks(sock) or asked
         finally:
             sock.close(linger=0)
+
+    def _read_asks(self, sock: zmq.Socket[Any]) -> int:
+        """The token of the latest ask waiting on ``sock`` (0: none); garbage is counted."""
+        token = 0
+        for _ in range(_MAX_ASKS):
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                token = _decode_ask(frame).token
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.garbage += 1
+        return token
 
     def stop(self) -> None:
         """Stop beating and wait for the thread; idempotent."""
         self._stopped.set()
+        if self._wake_w >= 0:
+            with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
+                os.write(self._wake_w, b"x")
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        if not self._thread.is_alive() and self._wake_w >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1

@@ -117,6 +117,25 @@ def _die_with_parent(parent_pid: int) -> None:
         raise SystemExit(EXIT_MASTER_LOST)
 
 
+class _Reports:
+    """What the heartbeat thread tells of a worker's requests (nothing before its actor)."""
+
+    def __init__(self, worker: _Worker) -> None:
+        self._worker = worker
+
+    def inflight(self) -> int:
+        actor = self._worker.actor
+        return actor.inflight if actor is not None else 0
+
+    def take_reports(self) -> tuple[list[str], list[tuple[str, str]]]:
+        actor = self._worker.actor
+        return actor.take_reports() if actor is not None else ([], [])
+
+    def reports_left(self) -> int:
+        actor = self._worker.actor
+        return actor.reports_left() if actor is not None else 0
+
+
 class _Worker:
     def __init__(
         self, master: str, stage: str, replica: int, bind_host: str, *, debug: bool = False
@@ -156,6 +175,7 @@ class _Worker:
         self.peers: PeerTable | None = None
         self.assignment: asyncio.Future[Assignment] | None = None
         self.actor: StageActor | None = None
+        self.pulse: Pulse | None = None
         self.stop = asyncio.Event()
         self.last_seen = time.monotonic()
         self.garbage = 0
@@ -205,7 +225,7 @@ class _Worker:
                 self.assignment.set_result(msg)
             case StatsRequest(token=token) if actor is not None:
                 stats = actor.statistics()
-                stats["garbage"] += self.garbage
+                stats["garbage"] += self.garbage + (self.pulse.garbage if self.pulse else 0)
                 stats["local_frames"] = 0
                 # Sent to replicas gone from the peer table: dropped, not queued for ever.
                 stats["dropped_sends"] = self.outbox.dropped
@@ -307,15 +327,15 @@ class _Worker:
         # Beating from here on, through the setup too: the master then tells a replica in a
         # long setup (a model loading) from a dead one, and refuses a second worker for its
         # slot meanwhile.
-        pulse = Pulse(
+        pulse = self.pulse = Pulse(
             self.zctx,
             self.master,
             self.identity,
             self.stage,
             self.replica,
             spec.defaults.heartbeat_interval,
-            lambda: self.actor.inflight if self.actor is not None else 0,
-            lambda: self.actor.take_reports() if self.actor is not None else ([], []),
+            _Reports(self),
+            spec.defaults.report_interval,
         )
         pulse.start()
         try:

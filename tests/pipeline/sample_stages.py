@@ -94,6 +94,18 @@ class Lingers(Stage):
         return Text(" ".join(words))
 
 
+class HoldsLoop(Stage):
+    """Joins its tokens, then holds its event loop, as a long model step would (a blocking
+    read, which lets other threads run), until a line comes through the FIFO named by
+    LINGER_FIFO, or the FIFO closes."""
+
+    async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
+        words = [token.value async for token in tokens]
+        with open(os.environ["LINGER_FIFO"]) as fifo:  # noqa: ASYNC230  # holds the loop
+            fifo.readline()
+        return Text(" ".join(words))
+
+
 async def _line_through_fifo() -> None:
     """Wait (at most 60 s) for a line through the FIFO that env LINGER_FIFO names."""
 

@@ -30,11 +30,13 @@ async def _gone(pids: list[int], timeout: float = 10.0) -> None:
     await wait_for(probe, timeout=timeout)
 
 
-def _lingering(tmp_path: Path, **defaults: Any) -> tuple[Path, PipelineSpec]:
+def _lingering(
+    tmp_path: Path, sink_impl: str = ":Lingers", **defaults: Any
+) -> tuple[Path, PipelineSpec]:
     """src (Tokens) -> sink (Lingers, until told through the FIFO returned), and its spec."""
     fifo = tmp_path / "go"
     os.mkfifo(fifo)
-    sink = {"impl": ":Lingers", "env": {"LINGER_FIFO": str(fifo)}}
+    sink = {"impl": sink_impl, "env": {"LINGER_FIFO": str(fifo)}}
     return fifo, spec({"src": ":Tokens", "sink": sink}, [("src", "sink")], **defaults)
 
 
@@ -176,6 +178,79 @@ async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_nee
         assert await finished == Text("a b c")
 
 
+def _reader_at(fifo: Path) -> int | None:
+    """A writing end of ``fifo`` if a stage is waiting on it (LINGER_FIFO), else None. The
+    stage then waits for a line through it, or its closing."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no reader yet
+        return None
+
+
+PLUGIN = "tests.transports.plugin_transport:EchoTransport"
+
+
+@pytest.mark.parametrize(
+    ("transport", "sink"),
+    [
+        ("inline", ":Lingers"),
+        ("shm", ":Lingers"),
+        ("network", ":Lingers"),
+        ("plugin", ":Lingers"),
+        ("shm", ":HoldsLoop"),
+    ],
+)
+async def test_a_replica_killed_before_its_consumer_reported_fails_only_what_it_lacks(
+    tmp_path: Path, transport: str, sink: str
+) -> None:
+    """kill -9 of a source replica just after its sink got every payload of a request, and
+    before either could report it (reports and heartbeats due far past the test's end): the
+    master asks the sink before failing anything, so that request goes on, and only the
+    one the source still serves fails. A sink whose loop its handler holds answers too
+    (from its heartbeat thread). Unless the payloads came by a transport that does not
+    declare ``survives_producer`` (the plug-in): then both fail."""
+    edge: Any = transport
+    if transport == "plugin":
+        edge = {"kind": PLUGIN, "options": {"directory": str(tmp_path), "capacity": 2**20}}
+    fifo, s = _lingering(
+        tmp_path,
+        sink,
+        heartbeat_interval="60s",
+        heartbeat_timeout="120s",
+        report_interval="3600s",
+        transport=edge,
+    )
+    writer: int | None = None
+    async with Pipeline(s) as pipe:
+        finished = asyncio.ensure_future(pipe.submit(Text("a b c")))
+        stalled = asyncio.ensure_future(pipe.submit(Text("x stall")))  # src never ends it
+        src = pipe._master_or_fail().orch.replicas["src"][0]
+
+        def sink_has_all() -> bool:
+            nonlocal writer
+            writer = _reader_at(fifo)
+            return writer is not None
+
+        try:
+            await wait_for(sink_has_all, timeout=10)
+            # Nothing was reported: src is still bound to both requests.
+            assert len(src.requests) == 2
+            os.kill(pipe.worker_pids[("src", 0)], signal.SIGKILL)
+            with pytest.raises(StageUnavailable, match="src"):
+                await stalled
+            if transport == "plugin":
+                with pytest.raises(StageUnavailable, match="src"):
+                    await finished
+                return
+            assert not finished.done()  # the sink holds it until told through the FIFO
+            assert writer is not None
+            os.write(writer, b"go\n")
+        finally:
+            if writer is not None:
+                os.close(writer)
+        assert await finished == Text("a b c")
+
+
 async def test_a_replica_feeding_a_join_is_done_once_each_consumer_has_its_part(
     tmp_path: Path,
 ) -> None:
@@ -210,6 +285,53 @@ async def test_a_replica_feeding_a_join_is_done_once_each_consumer_has_its_part(
             assert not request.done()
         finally:
             _go(fifo)
+        assert await asyncio.wait_for(request, 20) == Text("abc|3")
+
+
+async def test_a_replica_feeding_a_join_killed_before_any_report_fails_nothing(
+    tmp_path: Path,
+) -> None:
+    """The join of the test above, with reports and heartbeats due far past the test's end:
+    pre is killed once encode and prefill each have its payload, before either could say
+    so. The master asks both before failing anything, and the request completes."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    s = spec(
+        {
+            "pre": ":Pre",
+            "encode": {"impl": ":GatedEncode", "env": {"LINGER_FIFO": str(fifo)}},
+            "prefill": ":Prefill",
+        },
+        [("pre", "encode"), ("pre", "prefill"), ("encode", "prefill")],
+        heartbeat_interval="60s",
+        heartbeat_timeout="120s",
+        report_interval="3600s",
+    )
+    writer: int | None = None
+    async with Pipeline(s) as pipe:
+        request = asyncio.ensure_future(pipe.submit(Text("abc")))
+        orch = pipe._master_or_fail().orch
+
+        async def both_have_it() -> bool:
+            nonlocal writer
+            if writer is None:
+                writer = _reader_at(fifo)  # encode waits on the FIFO: it has pre's part
+            stats = await pipe.statistics()
+            (prefill,) = (r for r in stats["replicas"] if r["stage"] == "prefill")
+            chunks = {i["edge"]: i["chunks"] for i in prefill["inputs"]}
+            return writer is not None and chunks["pre->prefill"] == 1
+
+        try:
+            await wait_for(both_have_it, timeout=10)
+            assert orch.replicas["pre"][0].requests  # nothing was reported
+            os.kill(pipe.worker_pids[("pre", 0)], signal.SIGKILL)
+            await wait_for(lambda: not orch.replicas["pre"][0].ready, timeout=10)
+            assert not request.done()
+            assert writer is not None
+            os.write(writer, b"go\n")
+        finally:
+            if writer is not None:
+                os.close(writer)
         assert await asyncio.wait_for(request, 20) == Text("abc|3")
 
 
