@@ -607,7 +607,7 @@ class Master:
     def _judge(self, doubt: InDoubt) -> None:
         before = doubt.failed
         kept = self.orch.judge(doubt)
-        log.info(
+        log.warning(
             "requests_in_doubt_judged",
             stage=doubt.stage,
             replica=doubt.replica,

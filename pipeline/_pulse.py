@@ -29,7 +29,8 @@ from pipeline._sockets import for_endpoint
 __all__ = ("Pulse", "Reporter", "pulse_identity")
 
 _decode_ask = msgspec.msgpack.Decoder(ReportAsk).decode
-#: Asks read per wake-up at most; more are garbage (the master sends one per death).
+#: Messages read per wake-up at most; any more wait for the next (the master sends one
+#: ask per death).
 _MAX_ASKS = 64
 
 
@@ -85,7 +86,7 @@ class Pulse:
         # stop() writes here, waking the thread out of its poll.
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._run, name="stagewire-pulse", daemon=True)
-        #: Asks the master's malformed or surplus messages to this thread, dropped.
+        #: Messages read on this thread's socket that were not a ReportAsk, dropped.
         self.garbage = 0
 
     def start(self) -> None:
