@@ -66,6 +66,9 @@ log = structlog.get_logger("stagewire.actor")
 
 #: How many finished request ids a replica remembers, to discard their late chunks.
 FINISHED_MEMORY = 65536
+#: How many requests not yet admitted a replica remembers unreadable chunks of (forged ones
+#: name requests that never come; the oldest are forgotten first).
+UNREADABLE_MEMORY = 1024
 #: How many request reports (see :meth:`StageActor.take_reports`) a replica keeps for its
 #: next heartbeat; later ones go untold past that (the master hears no heartbeat anyway).
 REPORTS_MEMORY = 16384
@@ -228,6 +231,9 @@ class StageActor:
         #: once the whole message is filed.
         self._starting: list[_Request] | None = None
         self._finished: OrderedDict[str, None] = OrderedDict()
+        #: Why requests not admitted here yet cannot complete: chunks of theirs that could
+        #: not be read came first (see _on_run). They fail when admitted.
+        self._unreadable: OrderedDict[str, TransportError] = OrderedDict()
         #: What the master learns with the next heartbeat, as (request id, stage): which
         #: requests ended here (:data:`ENDED`), and which have all the payloads of an
         #: upstream stage here (that stage; see take_reports).
@@ -317,6 +323,11 @@ class StageActor:
             return
         req = self._request(request_id)
         req.route = route
+        if self._unreadable:
+            failure = self._unreadable.pop(request_id, None)
+            if failure is not None:
+                self._fail(req, failure)
+                return
         self._maybe_start(req)
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -332,6 +343,8 @@ class StageActor:
         """Drop every trace of a request: handler, buffers, credit windows."""
         req = self._requests.pop(request_id, None)
         self._remember(request_id)
+        if self._unreadable:
+            self._unreadable.pop(request_id, None)
         if req is None:
             return
         if req.ctx is not None:
@@ -433,11 +446,17 @@ class StageActor:
             items = channel.admit(run)
         except Exception as exc:
             self._garbage(1)
-            req = self._requests.get(rid)
-            if req is not None and req.route is not None and isinstance(exc, TransportError):
-                # Chunks of an admitted request that cannot be read: it cannot complete.
-                # Failing it now says why, where waiting would end in a ChunkGap.
-                self._fail(req, unreadable(run, exc))
+            if isinstance(exc, TransportError):
+                # Chunks of a request that cannot be read: it cannot complete. Failing it
+                # now says why, where waiting would end in a ChunkGap.
+                req = self._requests.get(rid)
+                if req is not None and req.route is not None:
+                    self._fail(req, unreadable(run, exc))
+                elif rid not in self._finished:
+                    # Not admitted yet (chunks may precede their Admit): it fails on Admit.
+                    self._unreadable[rid] = unreadable(run, exc)
+                    if len(self._unreadable) > UNREADABLE_MEMORY:
+                        self._unreadable.popitem(last=False)
             return
         if rid in self._finished:
             self.counts["late"] += len(items)

@@ -171,7 +171,8 @@ async def test_chunks_that_cannot_be_read_fail_their_request_at_once() -> None:
     """A run whose descriptors its transport cannot read (a producer of another version, a
     plug-in's bug) fails its admitted request with a TransportError naming the edge and the
     producer, instead of dropping the run and leaving the request to a ChunkGap after the
-    chunk timeout. A run for a request not admitted here is only counted as garbage."""
+    chunk timeout. So does one that comes before its request's Admit, once the Admit comes;
+    one for a request that never comes is only counted as garbage."""
     stages = {"up": ":Echo", "echo": ":Echo"}
     plan = build_plan(spec(stages, [("up", "echo")], transport="shm", chunk_timeout="60s"))
     reported: list[FailureInfo] = []
@@ -193,5 +194,12 @@ async def test_chunks_that_cannot_be_read_fail_their_request_at_once() -> None:
         assert "up->echo" in str(reported[0]) and "inproc://up" in str(reported[0])
         assert actor.counts["failed"] == 1 and actor.counts["garbage"] == 2
         assert actor.inflight == 0
+        # Before its Admit: the request fails as it is admitted, not at its chunk timeout.
+        actor.on_data([run("r2")])
+        assert len(reported) == 1
+        actor.admit("r2", {"up": 0, "echo": 0})
+        assert [r.request_id for r in reported] == ["r1", "r2"]
+        assert reported[1].kind == reported[0].kind and "up->echo" in str(reported[1])
+        assert actor.inflight == 0 and actor.counts["failed"] == 2
     finally:
         await actor.aclose()
