@@ -645,9 +645,10 @@ class StageActor:
 
         The master counts a replica done with a request once it ended there and each stage
         it sends to has all of its payloads of the request: nothing of it is then needed
-        from this process, in a socket's queue, a shared-memory segment or elsewhere, and
-        its death need not fail the request. Called from the heartbeat thread, the only one
-        that takes from the queue.
+        from this process, in a socket's queue, a shared-memory segment or elsewhere. When
+        the replica dies, each stage it sends to having all of them suffices, ended or not
+        (what its handler would still send, nobody reads). Called from the heartbeat
+        thread, the only one that takes from the queue.
         """
         reports = self._reports
         ended: list[str] = []

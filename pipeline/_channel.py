@@ -375,6 +375,7 @@ class _Window:
         "held",
         "in_flight",
         "next_seq",
+        "reader",
         "reading",
         "run",
         "sizes",
@@ -400,6 +401,8 @@ class _Window:
         #: A chunk went by a transport whose payload needs this process even after its
         #: consumer got it (see ``TransportCapabilities.survives_producer``).
         self.held = False
+        #: The consumer's data endpoint (known from the first chunk queued).
+        self.reader = ""
 
 
 class OutputChannel:
@@ -709,6 +712,7 @@ class OutputChannel:
     ) -> None:
         """Add chunk ``seq`` to the request's open run, or start a run and queue it."""
         self.chunks += 1
+        win.reader = endpoint
         if name in self._needs_producer:
             win.held = True
         win.sizes.append(nbytes)
@@ -776,11 +780,19 @@ class OutputChannel:
 
     def readers_gone(self, endpoints: set[str]) -> None:
         """Consumers at ``endpoints`` are gone: the transports may take back what they hold
-        for them (an optional transport method; see ``note_reader`` in :meth:`send`)."""
+        for them (an optional transport method; see ``note_reader`` in :meth:`send`), and
+        their requests' windows close as if each had stopped reading. A request that needed
+        one fails by the master's word; one that goes on (its consumer had passed on all
+        it needed) must not leave a send waiting for credit from the dead consumer."""
         for sender in self._senders.values():
             gone = getattr(sender, "readers_gone", None)
             if gone is not None:
                 gone(endpoints)
+        for win in self._windows.values():
+            if win.reader in endpoints and not win.done:
+                win.done = True
+                if win.waiter is not None and not win.waiter.done():
+                    win.waiter.set_result(None)
 
     def held_here(self, request_id: str) -> bool:
         """Whether a chunk of ``request_id`` went by a transport whose payload needs this

@@ -137,10 +137,11 @@ class DefaultsSpec(_Spec):
     """Silence after which a replica is declared dead; must exceed the interval."""
     report_interval: Annotated[Timeout, Field(ge=0.01)] = 0.1
     """How soon a worker tells the master which requests ended there and which have all
-    their payloads there, when its next heartbeat is later. Once both sides of an edge
-    have told, the producer's death no longer fails the request (a long decode outlives
-    a crashed prefill); when a replica dies, the master asks its consumers at once anyway.
-    Shorter means fresher reports, at a control message per interval and worker."""
+    of an upstream stage's payloads there, when its next heartbeat is later. A replica
+    whose request ended there and whose consumers have all of it no longer counts it
+    toward its load; when a replica dies, the master asks its consumers at once what they
+    have, whatever this interval (a long decode outlives a crashed prefill). Shorter means
+    fresher load figures, at a control message per interval and worker."""
     startup_timeout: Timeout = 60.0
     """How long the master waits for every replica to come up."""
     replica_wait: Duration = 10.0

@@ -374,7 +374,11 @@ class Master:
                 if ended or drained:
                     self.orch.stage_reported(rep.stage, ended, drained)
                 if answers:
-                    self._answered(answers, (rep.stage, rep.replica))
+                    # Asks reach a worker in the order sent, and its answer to one covers
+                    # every earlier one: all were read by the time it took its reports.
+                    key = (rep.stage, rep.replica)
+                    for token in [t for t in self._asks if t <= answers]:
+                        self._answered(token, key)
             case Ready():
                 rep.ready = True
                 self.orch.replica_ready(rep.stage, rep.replica)

@@ -106,6 +106,20 @@ class HoldsLoop(Stage):
         return Text(" ".join(words))
 
 
+class RelaysOneThenHolds(Stage):
+    """Relays the first token of its stream and, once it has left, holds its event loop
+    (a blocking wait on the FIFO named by LINGER_FIFO, as a long model step would hold it)
+    until a line comes through the FIFO or it closes; then relays nothing more."""
+
+    async def process(self, tokens: Stream[Token], ctx: Context) -> AsyncIterator[Token]:
+        async for token in tokens:
+            yield token
+            await asyncio.sleep(0)  # the outbox's flush, queued first, sends the token
+            with open(os.environ["LINGER_FIFO"]) as fifo:  # noqa: ASYNC230  # holds the loop
+                fifo.readline()
+            return
+
+
 async def _line_through_fifo() -> None:
     """Wait (at most 60 s) for a line through the FIFO that env LINGER_FIFO names."""
 

@@ -335,6 +335,53 @@ async def test_a_replica_feeding_a_join_killed_before_any_report_fails_nothing(
         assert await asyncio.wait_for(request, 20) == Text("abc|3")
 
 
+async def test_a_replica_killed_after_its_consumer_stopped_reading_frees_its_producer(
+    tmp_path: Path,
+) -> None:
+    """src streams 300 tokens to 'first' (a window of 4), then one to 'count'. 'first'
+    relays one token to s1 and holds its loop; s1 returns at once, reading no more, and its
+    word that it reads no more sits unread in the held process; src waits for credit
+    from 'first'. kill -9 of 'first' (before any report): the request needs nothing more
+    from it (s1 has all it reads), and src, told that 'first' is gone, stops sending to it
+    and feeds 'count'. The request completes; it used to hang, src waiting for credit from
+    the dead process for good."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    s = spec(
+        {
+            "src": ":ToFirstThenCount",
+            "first": {"impl": ":RelaysOneThenHolds", "env": {"LINGER_FIFO": str(fifo)}},
+            "s1": ":First",
+            "count": ":Count",
+        },
+        [("src", "first"), ("src", "count"), ("first", "s1")],
+        window=4,
+        heartbeat_interval="60s",
+        heartbeat_timeout="120s",
+        report_interval="3600s",
+    )
+    writer: int | None = None
+    async with Pipeline(s) as pipe:
+        request = asyncio.ensure_future(pipe.submit(Text("300")))
+        orch = pipe._master_or_fail().orch
+
+        def held_after_s1_ended() -> bool:
+            nonlocal writer
+            if writer is None:
+                writer = _reader_at(fifo)
+            reqs = list(orch.requests.values())
+            return writer is not None and bool(reqs) and reqs[0].inflows["s1"].buffer.complete
+
+        try:
+            await wait_for(held_after_s1_ended, timeout=10)
+            os.kill(pipe.worker_pids[("first", 0)], signal.SIGKILL)
+            out = await asyncio.wait_for(request, 10)
+        finally:
+            if writer is not None:
+                os.close(writer)
+        assert out == {"s1": Text("t0"), "count": Text("1")}
+
+
 async def test_a_replica_whose_output_its_consumer_has_not_had_is_not_done_with_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,0 +1,156 @@
+"""The heartbeat thread: its beats, and its answers to the master's ReportAsk."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from pipeline import _master
+from pipeline._master import Master, _Replica
+from pipeline._messages import Heartbeat, ReportAsk, encode_message
+from pipeline._orchestrator import InDoubt
+from pipeline._pulse import Pulse
+from pipeline._signature import build_plan
+from tests.pipeline.conftest import spec, wait_for
+
+_beat = msgspec.msgpack.Decoder(Heartbeat).decode
+
+
+class Reports:
+    """A replica's report queue, as the actor keeps it: the loop appends, the heartbeat
+    thread takes at most ``per_beat`` at a time."""
+
+    def __init__(self, per_beat: int) -> None:
+        self.queue: deque[str] = deque()
+        self.per_beat = per_beat
+        self.lock = threading.Lock()
+        #: Cleared: the next take waits for it, setting ``held`` (the thread is held there).
+        self.gate = threading.Event()
+        self.gate.set()
+        self.held = threading.Event()
+
+    def inflight(self) -> int:
+        return 0
+
+    def take_reports(self) -> tuple[list[str], list[tuple[str, str]]]:
+        if not self.gate.is_set():
+            self.held.set()
+            self.gate.wait()
+        with self.lock:
+            n = min(len(self.queue), self.per_beat)
+            return [self.queue.popleft() for _ in range(n)], []
+
+    def reports_left(self) -> int:
+        return len(self.queue)
+
+
+@pytest.fixture
+def router() -> Iterator[tuple[zmq.Socket[bytes], str]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield sock, f"tcp://127.0.0.1:{port}"
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _beats(sock: zmq.Socket[bytes], until: float) -> Iterator[Heartbeat]:
+    while time.monotonic() < until:
+        if sock.poll(50):
+            yield _beat(sock.recv_multipart()[1])
+
+
+def test_an_ask_is_answered_at_once_with_every_report_queued(
+    router: tuple[zmq.Socket[bytes], str],
+) -> None:
+    """With beats and reports due a minute and an hour away, an ask is answered at once:
+    every report queued when it came goes, over as many beats as the per-beat bound takes,
+    the last one carrying the ask's token; asks sent back to back are answered by the
+    latest's token, which covers the earlier ones."""
+    sock, endpoint = router
+    reports = Reports(per_beat=3)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pulse = Pulse(ctx, endpoint, b"w", "c", 0, 60.0, reports, 3600.0)
+    pulse.start()
+    try:
+        identity, first = sock.recv_multipart()  # the first beat, due at once
+        assert identity == b"w/hb" and _beat(first).answers == 0
+        reports.queue.extend(f"r{i}" for i in range(7))
+        sock.send_multipart([identity, encode_message(ReportAsk(4))])
+        told: list[str] = []
+        for beat in _beats(sock, time.monotonic() + 10):
+            told += beat.ended
+            if beat.answers:
+                assert beat.answers == 4
+                break
+        assert told == [f"r{i}" for i in range(7)]
+        sock.send_multipart([identity, encode_message(ReportAsk(5))])
+        sock.send_multipart([identity, encode_message(ReportAsk(6))])
+        answered = next(b.answers for b in _beats(sock, time.monotonic() + 10) if b.answers)
+        assert answered in (5, 6)
+        if answered == 5:  # the thread woke between the two asks: the next beat answers 6
+            assert next(b.answers for b in _beats(sock, time.monotonic() + 10) if b.answers) == 6
+        # Anything but an ask is dropped and counted; the asks after it are answered.
+        sock.send_multipart([identity, b"\x93garbage"])
+        sock.send_multipart([identity, encode_message(ReportAsk(7))])
+        assert next(b.answers for b in _beats(sock, time.monotonic() + 10) if b.answers) == 7
+        assert pulse.garbage == 1
+    finally:
+        pulse.stop()
+        pulse.stop()  # idempotent
+        ctx.term()
+
+
+async def test_one_answer_settles_every_earlier_ask_of_that_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two producers of one consumer die at once: the master asks that consumer twice, and
+    its heartbeat thread answers the later ask once. That answer settles both asks, so
+    neither waits for its timer (an hour here)."""
+    monkeypatch.setattr(_master, "ASK_WAIT_S", 3600.0)
+    plan = build_plan(
+        spec(
+            {"pre": ":Pre", "encode": ":Encode", "prefill": ":Prefill"},
+            [("pre", "encode"), ("pre", "prefill"), ("encode", "prefill")],
+            heartbeat_interval="60s",
+            heartbeat_timeout="120s",
+        )
+    )
+    master = Master(plan)
+    await master.start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    rep = _Replica("prefill", 0, b"w", "h", 1, "tcp://127.0.0.1:9", 0.0, ready=True)
+    master.replicas[("prefill", 0)] = rep
+    reports = Reports(per_beat=8)
+    pulse = Pulse(ctx, master.endpoint, b"w", "prefill", 0, 60.0, reports, 3600.0)
+    pulse.start()
+    try:
+        await wait_for(lambda: rep.last_seen > 0, timeout=10)  # its first beat came
+        # Hold the thread while both asks come, so that it reads them together (as it may
+        # when two deaths are declared at once): an ask of no death wakes it into the hold.
+        reports.gate.clear()
+        assert master._send(b"w/hb", ReportAsk(next(master._tokens)))
+        await asyncio.to_thread(reports.held.wait, 10)
+        assert reports.held.is_set()
+        for stage in ("pre", "encode"):
+            doubt = InDoubt(stage, 0, "exited with code -9")
+            doubt.asks.add(("prefill", 0))
+            master._ask_consumers(doubt)
+        assert len(master._asks) == 2
+        reports.gate.set()
+        await wait_for(lambda: not master._asks, timeout=10)
+    finally:
+        reports.gate.set()
+        pulse.stop()
+        await master.aclose()
+        ctx.term()
