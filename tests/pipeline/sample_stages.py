@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import msgspec
 from pydantic import BaseModel, field_validator
@@ -107,17 +107,37 @@ class HoldsLoop(Stage):
 
 
 class RelaysOneThenHolds(Stage):
-    """Relays the first token of its stream and, once it has left, holds its event loop
-    (a blocking wait on the FIFO named by LINGER_FIFO, as a long model step would hold it)
-    until a line comes through the FIFO or it closes; then relays nothing more."""
+    """Relays the first token of its stream; its loop stays free until a line comes through
+    the FIFO named by LINGER_FIFO (the token leaves meanwhile); then it touches the file
+    HOLD_MARK names and at once holds its loop, as a long model step would, until a second
+    line comes or the FIFO closes; it relays nothing more."""
 
     async def process(self, tokens: Stream[Token], ctx: Context) -> AsyncIterator[Token]:
         async for token in tokens:
             yield token
-            await asyncio.sleep(0)  # the outbox's flush, queued first, sends the token
-            with open(os.environ["LINGER_FIFO"]) as fifo:  # noqa: ASYNC230  # holds the loop
+
+            def first_line() -> TextIO:
+                fifo = open(os.environ["LINGER_FIFO"])  # noqa: SIM115  # read on the loop below
+                fifo.readline()
+                return fifo
+
+            fifo = await asyncio.to_thread(first_line)
+            with fifo:
+                # No await from here on: once the mark is there, the loop is held.
+                Path(os.environ["HOLD_MARK"]).touch()  # noqa: ASYNC240  # holds, on purpose
                 fifo.readline()
             return
+
+
+class FirstWhenTold(Stage):
+    """Returns the first token of its stream once a line comes through the FIFO named by
+    LINGER_FIFO, leaving the rest unread."""
+
+    async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
+        async for token in tokens:
+            await _line_through_fifo()
+            return Text(token.value)
+        return Text("")
 
 
 async def _line_through_fifo() -> None:

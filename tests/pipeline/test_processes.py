@@ -339,19 +339,21 @@ async def test_a_replica_killed_after_its_consumer_stopped_reading_frees_its_pro
     tmp_path: Path,
 ) -> None:
     """src streams 300 tokens to 'first' (a window of 4), then one to 'count'. 'first'
-    relays one token to s1 and holds its loop; s1 returns at once, reading no more, and its
+    relays one token to s1 and holds its loop; s1 then returns, reading no more, and its
     word that it reads no more sits unread in the held process; src waits for credit
     from 'first'. kill -9 of 'first' (before any report): the request needs nothing more
     from it (s1 has all it reads), and src, told that 'first' is gone, stops sending to it
     and feeds 'count'. The request completes; it used to hang, src waiting for credit from
     the dead process for good."""
-    fifo = tmp_path / "go"
-    os.mkfifo(fifo)
+    relay_fifo, s1_fifo, mark = tmp_path / "relay", tmp_path / "s1", tmp_path / "holding"
+    os.mkfifo(relay_fifo)
+    os.mkfifo(s1_fifo)
+    relay_env = {"LINGER_FIFO": str(relay_fifo), "HOLD_MARK": str(mark)}
     s = spec(
         {
             "src": ":ToFirstThenCount",
-            "first": {"impl": ":RelaysOneThenHolds", "env": {"LINGER_FIFO": str(fifo)}},
-            "s1": ":First",
+            "first": {"impl": ":RelaysOneThenHolds", "env": relay_env},
+            "s1": {"impl": ":FirstWhenTold", "env": {"LINGER_FIFO": str(s1_fifo)}},
             "count": ":Count",
         },
         [("src", "first"), ("src", "count"), ("first", "s1")],
@@ -360,25 +362,32 @@ async def test_a_replica_killed_after_its_consumer_stopped_reading_frees_its_pro
         heartbeat_timeout="120s",
         report_interval="3600s",
     )
-    writer: int | None = None
+    writers: dict[Path, int] = {}
+
+    def waiting(fifo: Path) -> bool:
+        """Whether a stage waits on ``fifo``; its writing end is kept in ``writers``."""
+        if fifo not in writers:
+            fd = _reader_at(fifo)
+            if fd is not None:
+                writers[fifo] = fd
+        return fifo in writers
+
     async with Pipeline(s) as pipe:
         request = asyncio.ensure_future(pipe.submit(Text("300")))
         orch = pipe._master_or_fail().orch
-
-        def held_after_s1_ended() -> bool:
-            nonlocal writer
-            if writer is None:
-                writer = _reader_at(fifo)
-            reqs = list(orch.requests.values())
-            return writer is not None and bool(reqs) and reqs[0].inflows["s1"].buffer.complete
-
         try:
-            await wait_for(held_after_s1_ended, timeout=10)
+            await wait_for(lambda: waiting(s1_fifo), timeout=10)  # s1 has the token
+            await wait_for(lambda: waiting(relay_fifo), timeout=10)
+            os.write(writers[relay_fifo], b"hold\n")
+            await wait_for(mark.exists, timeout=10)  # 'first' holds its loop
+            os.write(writers[s1_fifo], b"go\n")  # s1 returns: it reads no more
+            (req,) = orch.requests.values()
+            await wait_for(lambda: req.inflows["s1"].buffer.complete, timeout=10)
             os.kill(pipe.worker_pids[("first", 0)], signal.SIGKILL)
             out = await asyncio.wait_for(request, 10)
         finally:
-            if writer is not None:
-                os.close(writer)
+            for fd in writers.values():
+                os.close(fd)
         assert out == {"s1": Text("t0"), "count": Text("1")}
 
 
