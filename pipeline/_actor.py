@@ -275,18 +275,44 @@ class StageActor:
     # ---- peers and control ---------------------------------------------------------------
 
     def set_peers(self, peers: PeerTable, client: Peer | None = None) -> None:
-        """Learn where every replica (and the client) receives data."""
-        self._peers = peers
+        """Learn where every replica (and the client) receives data.
+
+        A replica that left the table, or is there with another endpoint (restarted), is
+        gone for the requests routed to it before: those this replica has sent nothing to
+        it yet send it nothing (their chunks are dropped as unread, and no Admit goes to
+        its successor). The master fails each such request that still needed it; the
+        others go on without it.
+        """
+        old, self._peers = self._peers, peers
         self._targets = {}
         if client is not None:
             self._client = client
+        gone = {
+            (stage, k): peer.endpoint
+            for stage, replicas in old.items()
+            for k, peer in replicas.items()
+            if (now := peers.get(stage, {}).get(k)) is None or now.endpoint != peer.endpoint
+        }
+        if not gone:
+            return
+        for rid, req in self._requests.items():
+            if req.route is None:
+                continue
+            for dst, out in self._outputs.items():
+                endpoint = gone.get((dst, req.route.get(dst, -1)))
+                if endpoint is not None and dst not in req.targets:
+                    out.stop_for(rid, endpoint)
+                    req.targets[dst] = SendTarget(endpoint, "")
 
     def readers_gone(self, endpoints: set[str]) -> None:
         """Replicas that received data at ``endpoints`` are gone: let every output's
-        transports take back what they hold for them."""
+        transports take back what they hold for them, and send them nothing more. A
+        handler whose every output's consumer is gone, or has stopped reading, ends."""
         if endpoints:
             for out in self._outputs.values():
                 out.readers_gone(endpoints)
+            for rid in list(self._requests):
+                self._end_if_unread(rid)
 
     def _target(self, dst: str, req: _Request) -> SendTarget:
         """Where ``dst``'s chunks of ``req`` go; the first time, the Admit goes there too.

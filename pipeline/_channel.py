@@ -401,7 +401,7 @@ class _Window:
         #: A chunk went by a transport whose payload needs this process even after its
         #: consumer got it (see ``TransportCapabilities.survives_producer``).
         self.held = False
-        #: The consumer's data endpoint (known from the first chunk queued).
+        #: The consumer's data endpoint.
         self.reader = ""
 
 
@@ -491,11 +491,23 @@ class OutputChannel:
         #: Windows whose send waits for the queued share to drop.
         self._queued_waiting: set[_Window] = set()
 
-    def _window(self, request_id: str) -> _Window:
+    def _window(self, request_id: str, reader: str) -> _Window:
         win = self._windows.get(request_id)
         if win is None:
             win = self._windows[request_id] = _Window(self.plan.window, self._shared is None)
+            # Known before any put: readers_gone must find a send still putting its first
+            # chunk (shm waiting for room) as well as one waiting for credit.
+            win.reader = reader
         return win
+
+    def stop_for(self, request_id: str, reader: str) -> None:
+        """Send nothing more of ``request_id`` on this edge: its consumer, at ``reader``,
+        is gone (the request goes on without it). Its sends are dropped as unread."""
+        win = self._window(request_id, reader)
+        if not win.done:
+            win.done = True
+            if win.waiter is not None and not win.waiter.done():
+                win.waiter.set_result(None)
 
     async def reserve(self) -> None:
         """Take now what the edge's pinned transport would take at its first put (shm: its
@@ -538,7 +550,7 @@ class OutputChannel:
         """
         win = self._windows.get(request_id)
         if win is None:
-            win = self._window(request_id)
+            win = self._window(request_id, target.endpoint)
         if win.done:
             self.unread += 1
             return True
@@ -579,7 +591,7 @@ class OutputChannel:
             RequestAborted: the request was aborted while waiting for credit.
             TransportError: the transport could not store the payload.
         """
-        win = self._window(request_id)
+        win = self._window(request_id, target.endpoint)
         # A chunk without payload holds no bytes: only the chunk window applies to it.
         cap = self._window_bytes if encoded is not None else 1 << 62
         while not win.done and (win.next_seq >= win.allowed or win.in_flight >= cap):
@@ -712,7 +724,6 @@ class OutputChannel:
     ) -> None:
         """Add chunk ``seq`` to the request's open run, or start a run and queue it."""
         self.chunks += 1
-        win.reader = endpoint
         if name in self._needs_producer:
             win.held = True
         win.sizes.append(nbytes)
@@ -788,11 +799,9 @@ class OutputChannel:
             gone = getattr(sender, "readers_gone", None)
             if gone is not None:
                 gone(endpoints)
-        for win in self._windows.values():
-            if win.reader in endpoints and not win.done:
-                win.done = True
-                if win.waiter is not None and not win.waiter.done():
-                    win.waiter.set_result(None)
+        for request_id, win in list(self._windows.items()):
+            if win.reader in endpoints:
+                self.stop_for(request_id, win.reader)
 
     def held_here(self, request_id: str) -> bool:
         """Whether a chunk of ``request_id`` went by a transport whose payload needs this

@@ -13,6 +13,7 @@ replica's requests, and a consumer whose loop a long handler holds must still an
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -105,7 +106,7 @@ class Pulse:
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         reporter = self._reporter
-        wait_ms = int(min(self._interval, self._report_every) * 1000)
+        report_ms = self._report_every * 1000
         due = 0.0  # when the next beat is due even with nothing to report
         asked = 0  # the latest ask not yet answered
         try:
@@ -132,6 +133,9 @@ class Pulse:
                         asked = 0
                 if left:
                     continue  # more to tell at once
+                # Up to the next beat's due time, rounded up: a poll that returned just
+                # before it would send nothing, and wait a whole interval more.
+                wait_ms = math.ceil(min(max(due - time.monotonic(), 0.0) * 1000, report_ms))
                 if poller.poll(wait_ms):
                     asked = self._read_asks(sock) or asked
         finally:

@@ -140,6 +140,30 @@ class FirstWhenTold(Stage):
         return Text("")
 
 
+class TokensWhenTold(Stage):
+    """Streams the words of a text once a line comes through the FIFO named by LINGER_FIFO."""
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Token]:
+        await _line_through_fifo()
+        for i, word in enumerate(text.value.split()):
+            yield Token(i, word)
+
+
+class TakesSrcOnly(Stage):
+    """Joins 'src' and 'p' for a request, and returns src's text without reading p."""
+
+    async def process(self, src: Text, p: Stream[Token], ctx: Context) -> Text:
+        return src
+
+
+class EchoWhenTold(Stage):
+    """Returns its input once a line comes through the FIFO named by LINGER_FIFO."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        await _line_through_fifo()
+        return text
+
+
 async def _line_through_fifo() -> None:
     """Wait (at most 60 s) for a line through the FIFO that env LINGER_FIFO names."""
 

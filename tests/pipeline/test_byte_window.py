@@ -196,6 +196,43 @@ async def test_a_credit_during_a_put_counts_only_queued_chunks() -> None:
         await out.aclose()
 
 
+async def test_a_consumer_gone_while_a_first_put_is_under_way_is_sent_nothing_more() -> None:
+    """The consumer of a request dies while the producer's first put for it is still under
+    way (shm waiting for room): its window closes all the same, so the next send drops its
+    chunk as unread instead of waiting for the dead consumer's credit for good. (The window
+    learned its consumer only once the put was done, too late.)"""
+    s = spec(
+        {"flood": ":Flood", "drain": ":Drain"}, [("flood", "drain")], transport="shm", window=1
+    )
+    plan = build_plan(s).stages["flood"].outputs["drain"]
+    out = OutputChannel(plan, host="h", endpoint="producer", send=lambda _, run: None)
+    room = asyncio.Event()
+    shm = out._senders["shm"]
+
+    class WaitsForRoom:
+        """The shm sender, its put waiting until the test makes room."""
+
+        async def put(self, *args: Any, **kwargs: Any) -> Any:
+            await room.wait()
+            return await shm.put(*args, **kwargs)
+
+    out._senders["shm"] = WaitsForRoom()  # type: ignore[assignment]
+    target = SendTarget("consumer", "h")
+    try:
+        first = asyncio.ensure_future(out.send("r", out.codec.encode(Blob(0, b"x")), False, target))
+        await wait_for(lambda: out._windows.get("r") is not None, 5, interval=0)
+        out.readers_gone({"consumer"})
+        room.set()
+        await asyncio.wait_for(first, 5)
+        unread = out.unread
+        await asyncio.wait_for(out.send("r", out.codec.encode(Blob(1, b"y")), False, target), 5)
+        assert out.unread == unread + 1
+    finally:
+        room.set()
+        out._senders["shm"] = shm
+        await out.aclose()
+
+
 async def test_a_read_cancelled_while_its_payload_is_fetched_loses_nothing() -> None:
     """A handler reading with its own timeout may be cancelled while a payload is fetched
     from a transport: the next read returns that very chunk, and the rest follow in order.

@@ -391,6 +391,64 @@ async def test_a_replica_killed_after_its_consumer_stopped_reading_frees_its_pro
         assert out == {"s1": Text("t0"), "count": Text("1")}
 
 
+async def test_a_producer_that_first_sends_after_its_consumer_died_sends_it_nothing(
+    tmp_path: Path,
+) -> None:
+    """d joins src's text and p's stream, and returns without reading p; c works on what
+    d returned. d is killed (and not restarted) before p sends anything: the request needs
+    nothing more of d, so it goes on; p, which learns that d is gone before it first sends
+    to it, ends its handler (its only consumer is gone) instead of failing the request for
+    want of d."""
+    p_fifo, c_fifo = tmp_path / "p", tmp_path / "c"
+    os.mkfifo(p_fifo)
+    os.mkfifo(c_fifo)
+    s = spec(
+        {
+            "src": ":Echo",
+            "p": {"impl": ":TokensWhenTold", "env": {"LINGER_FIFO": str(p_fifo)}},
+            "d": ":TakesSrcOnly",
+            "c": {"impl": ":EchoWhenTold", "env": {"LINGER_FIFO": str(c_fifo)}},
+        },
+        [("src", "d"), ("src", "p"), ("p", "d"), ("d", "c")],
+        heartbeat_interval="60s",
+        heartbeat_timeout="120s",
+        report_interval="3600s",
+    )
+    writers: dict[Path, int] = {}
+
+    def waiting(fifo: Path) -> bool:
+        if fifo not in writers:
+            fd = _reader_at(fifo)
+            if fd is not None:
+                writers[fifo] = fd
+        return fifo in writers
+
+    async with Pipeline(s) as pipe:
+        assert pipe._launcher is not None
+        pipe._launcher._max_restarts = 0
+        request = asyncio.ensure_future(pipe.submit(Text("a b c")))
+        orch = pipe._master_or_fail().orch
+        try:
+            await wait_for(lambda: waiting(c_fifo) and waiting(p_fifo), timeout=10)
+            os.kill(pipe.worker_pids[("d", 0)], signal.SIGKILL)
+            await wait_for(lambda: not orch.replicas["d"][0].requests, timeout=10)
+            assert not request.done()
+            # Every live worker has the peer table without d (sent to each before this).
+            await pipe.statistics()
+            os.write(writers[p_fifo], b"go\n")
+            os.write(writers[c_fifo], b"go\n")
+            out = await asyncio.wait_for(request, 10)
+        finally:
+            for fd in writers.values():
+                os.close(fd)
+        assert out == Text("a b c")
+        stats = await pipe.statistics()
+        (p,) = (r for r in stats["replicas"] if r["stage"] == "p")
+        (to_d,) = p["outputs"]
+        # p's handler ended as soon as it learned that d, its only consumer, was gone.
+        assert (p["unread_ended"], p["failed"], to_d["chunks"]) == (1, 0, 0), p
+
+
 async def test_a_replica_whose_output_its_consumer_has_not_had_is_not_done_with_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections import deque
@@ -108,6 +109,30 @@ def test_an_ask_is_answered_at_once_with_every_report_queued(
     finally:
         pulse.stop()
         pulse.stop()  # idempotent
+        ctx.term()
+
+
+def test_an_idle_replica_beats_once_per_interval(router: tuple[zmq.Socket[bytes], str]) -> None:
+    """With reports due an hour away, an idle replica still beats every interval, even one
+    that is not a whole number of milliseconds. (The thread polled for the interval cut to
+    whole milliseconds, woke just before the beat was due, sent nothing, and polled a whole
+    interval more: it beat every other interval, which a heartbeat timeout under twice the
+    interval took for death.)"""
+    sock, endpoint = router
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    interval = 0.1015
+    pulse = Pulse(ctx, endpoint, b"w", "c", 0, interval, Reports(per_beat=8), 3600.0)
+    pulse.start()
+    try:
+        arrivals = []
+        for _ in _beats(sock, time.monotonic() + 30):
+            arrivals.append(time.monotonic())
+            if len(arrivals) == 11:
+                break
+        gaps = sorted(b - a for a, b in itertools.pairwise(arrivals))
+        assert len(gaps) == 10 and gaps[len(gaps) // 2] < 1.5 * interval, gaps
+    finally:
+        pulse.stop()
         ctx.term()
 
 
