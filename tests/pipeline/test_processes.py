@@ -187,6 +187,30 @@ def _reader_at(fifo: Path) -> int | None:
         return None
 
 
+class _Writers:
+    """The writing ends of FIFOs that stages wait on (LINGER_FIFO), each kept open from the
+    moment its stage waits until closed: the stage then waits for a line."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def waiting(self, fifo: Path) -> bool:
+        """Whether a stage waits on ``fifo``."""
+        if fifo not in self._fds:
+            fd = _reader_at(fifo)
+            if fd is not None:
+                self._fds[fifo] = fd
+        return fifo in self._fds
+
+    def write(self, fifo: Path, line: bytes) -> None:
+        os.write(self._fds[fifo], line)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
 PLUGIN = "tests.transports.plugin_transport:EchoTransport"
 
 
@@ -220,19 +244,13 @@ async def test_a_replica_killed_before_its_consumer_reported_fails_only_what_it_
         report_interval="3600s",
         transport=edge,
     )
-    writer: int | None = None
+    writers = _Writers()
     async with Pipeline(s) as pipe:
         finished = asyncio.ensure_future(pipe.submit(Text("a b c")))
         stalled = asyncio.ensure_future(pipe.submit(Text("x stall")))  # src never ends it
         src = pipe._master_or_fail().orch.replicas["src"][0]
-
-        def sink_has_all() -> bool:
-            nonlocal writer
-            writer = _reader_at(fifo)
-            return writer is not None
-
         try:
-            await wait_for(sink_has_all, timeout=10)
+            await wait_for(lambda: writers.waiting(fifo), timeout=10)  # the sink has all
             # Nothing was reported: src is still bound to both requests.
             assert len(src.requests) == 2
             os.kill(pipe.worker_pids[("src", 0)], signal.SIGKILL)
@@ -243,21 +261,15 @@ async def test_a_replica_killed_before_its_consumer_reported_fails_only_what_it_
                     await finished
                 return
             assert not finished.done()  # the sink holds it until told through the FIFO
-            assert writer is not None
-            os.write(writer, b"go\n")
+            writers.write(fifo, b"go\n")
         finally:
-            if writer is not None:
-                os.close(writer)
+            writers.close()
         assert await finished == Text("a b c")
 
 
-async def test_a_replica_feeding_a_join_is_done_once_each_consumer_has_its_part(
-    tmp_path: Path,
-) -> None:
-    """pre feeds encode and, beside it, prefill, which joins both. Once encode and prefill
-    each have pre's payload, pre is done with the request, though prefill still waits for
-    encode's: kill -9 of pre then fails nothing (counted per stage, prefill would not have
-    been drained until encode's part came)."""
+def _join(tmp_path: Path, **defaults: Any) -> tuple[Path, PipelineSpec]:
+    """pre -> encode (GatedEncode, until told through the FIFO returned), pre -> prefill,
+    encode -> prefill (a join), and its spec."""
     fifo = tmp_path / "go"
     os.mkfifo(fifo)
     s = spec(
@@ -267,9 +279,19 @@ async def test_a_replica_feeding_a_join_is_done_once_each_consumer_has_its_part(
             "prefill": ":Prefill",
         },
         [("pre", "encode"), ("pre", "prefill"), ("encode", "prefill")],
-        heartbeat_interval="10s",
-        heartbeat_timeout="30s",
+        **defaults,
     )
+    return fifo, s
+
+
+async def test_a_replica_feeding_a_join_is_done_once_each_consumer_has_its_part(
+    tmp_path: Path,
+) -> None:
+    """pre feeds encode and, beside it, prefill, which joins both. Once encode and prefill
+    each have pre's payload, pre is done with the request, though prefill still waits for
+    encode's: kill -9 of pre then fails nothing (counted per stage, prefill would not have
+    been drained until encode's part came)."""
+    fifo, s = _join(tmp_path, heartbeat_interval="10s", heartbeat_timeout="30s")
     async with Pipeline(s) as pipe:
         request = asyncio.ensure_future(pipe.submit(Text("abc")))
         orch = pipe._master_or_fail().orch
@@ -294,32 +316,21 @@ async def test_a_replica_feeding_a_join_killed_before_any_report_fails_nothing(
     """The join of the test above, with reports and heartbeats due far past the test's end:
     pre is killed once encode and prefill each have its payload, before either could say
     so. The master asks both before failing anything, and the request completes."""
-    fifo = tmp_path / "go"
-    os.mkfifo(fifo)
-    s = spec(
-        {
-            "pre": ":Pre",
-            "encode": {"impl": ":GatedEncode", "env": {"LINGER_FIFO": str(fifo)}},
-            "prefill": ":Prefill",
-        },
-        [("pre", "encode"), ("pre", "prefill"), ("encode", "prefill")],
-        heartbeat_interval="60s",
-        heartbeat_timeout="120s",
-        report_interval="3600s",
+    fifo, s = _join(
+        tmp_path, heartbeat_interval="60s", heartbeat_timeout="120s", report_interval="3600s"
     )
-    writer: int | None = None
+    writers = _Writers()
     async with Pipeline(s) as pipe:
         request = asyncio.ensure_future(pipe.submit(Text("abc")))
         orch = pipe._master_or_fail().orch
 
         async def both_have_it() -> bool:
-            nonlocal writer
-            if writer is None:
-                writer = _reader_at(fifo)  # encode waits on the FIFO: it has pre's part
+            # encode waits on the FIFO: it has pre's part
+            encode_has_it = writers.waiting(fifo)
             stats = await pipe.statistics()
             (prefill,) = (r for r in stats["replicas"] if r["stage"] == "prefill")
             chunks = {i["edge"]: i["chunks"] for i in prefill["inputs"]}
-            return writer is not None and chunks["pre->prefill"] == 1
+            return encode_has_it and chunks["pre->prefill"] == 1
 
         try:
             await wait_for(both_have_it, timeout=10)
@@ -327,11 +338,9 @@ async def test_a_replica_feeding_a_join_killed_before_any_report_fails_nothing(
             os.kill(pipe.worker_pids[("pre", 0)], signal.SIGKILL)
             await wait_for(lambda: not orch.replicas["pre"][0].ready, timeout=10)
             assert not request.done()
-            assert writer is not None
-            os.write(writer, b"go\n")
+            writers.write(fifo, b"go\n")
         finally:
-            if writer is not None:
-                os.close(writer)
+            writers.close()
         assert await asyncio.wait_for(request, 20) == Text("abc|3")
 
 
@@ -362,32 +371,23 @@ async def test_a_replica_killed_after_its_consumer_stopped_reading_frees_its_pro
         heartbeat_timeout="120s",
         report_interval="3600s",
     )
-    writers: dict[Path, int] = {}
-
-    def waiting(fifo: Path) -> bool:
-        """Whether a stage waits on ``fifo``; its writing end is kept in ``writers``."""
-        if fifo not in writers:
-            fd = _reader_at(fifo)
-            if fd is not None:
-                writers[fifo] = fd
-        return fifo in writers
+    writers = _Writers()
 
     async with Pipeline(s) as pipe:
         request = asyncio.ensure_future(pipe.submit(Text("300")))
         orch = pipe._master_or_fail().orch
         try:
-            await wait_for(lambda: waiting(s1_fifo), timeout=10)  # s1 has the token
-            await wait_for(lambda: waiting(relay_fifo), timeout=10)
-            os.write(writers[relay_fifo], b"hold\n")
+            await wait_for(lambda: writers.waiting(s1_fifo), timeout=10)  # s1 has the token
+            await wait_for(lambda: writers.waiting(relay_fifo), timeout=10)
+            writers.write(relay_fifo, b"hold\n")
             await wait_for(mark.exists, timeout=10)  # 'first' holds its loop
-            os.write(writers[s1_fifo], b"go\n")  # s1 returns: it reads no more
+            writers.write(s1_fifo, b"go\n")  # s1 returns: it reads no more
             (req,) = orch.requests.values()
             await wait_for(lambda: req.inflows["s1"].buffer.complete, timeout=10)
             os.kill(pipe.worker_pids[("first", 0)], signal.SIGKILL)
             out = await asyncio.wait_for(request, 10)
         finally:
-            for fd in writers.values():
-                os.close(fd)
+            writers.close()
         assert out == {"s1": Text("t0"), "count": Text("1")}
 
 
@@ -414,14 +414,7 @@ async def test_a_producer_that_first_sends_after_its_consumer_died_sends_it_noth
         heartbeat_timeout="120s",
         report_interval="3600s",
     )
-    writers: dict[Path, int] = {}
-
-    def waiting(fifo: Path) -> bool:
-        if fifo not in writers:
-            fd = _reader_at(fifo)
-            if fd is not None:
-                writers[fifo] = fd
-        return fifo in writers
+    writers = _Writers()
 
     async with Pipeline(s) as pipe:
         assert pipe._launcher is not None
@@ -429,18 +422,17 @@ async def test_a_producer_that_first_sends_after_its_consumer_died_sends_it_noth
         request = asyncio.ensure_future(pipe.submit(Text("a b c")))
         orch = pipe._master_or_fail().orch
         try:
-            await wait_for(lambda: waiting(c_fifo) and waiting(p_fifo), timeout=10)
+            await wait_for(lambda: writers.waiting(c_fifo) and writers.waiting(p_fifo), timeout=10)
             os.kill(pipe.worker_pids[("d", 0)], signal.SIGKILL)
             await wait_for(lambda: not orch.replicas["d"][0].requests, timeout=10)
             assert not request.done()
             # Every live worker has the peer table without d (sent to each before this).
             await pipe.statistics()
-            os.write(writers[p_fifo], b"go\n")
-            os.write(writers[c_fifo], b"go\n")
+            writers.write(p_fifo, b"go\n")
+            writers.write(c_fifo, b"go\n")
             out = await asyncio.wait_for(request, 10)
         finally:
-            for fd in writers.values():
-                os.close(fd)
+            writers.close()
         assert out == Text("a b c")
         stats = await pipe.statistics()
         (p,) = (r for r in stats["replicas"] if r["stage"] == "p")
