@@ -49,6 +49,7 @@ from pipeline._messages import (
     Admit,
     Chunks,
     Credit,
+    Gone,
     Peer,
     PeerTable,
     decode_batch,
@@ -234,6 +235,8 @@ class StageActor:
         #: Why requests not admitted here yet cannot complete: chunks of theirs that could
         #: not be read came first (see _on_run). They fail when admitted.
         self._unreadable: OrderedDict[str, TransportError] = OrderedDict()
+        #: Stages that requests not admitted here yet go on without (see :meth:`gone`).
+        self._gone: OrderedDict[str, set[str]] = OrderedDict()
         #: What the master learns with the next heartbeat, as (request id, stage): which
         #: requests ended here (:data:`ENDED`), and which have all the payloads of an
         #: upstream stage here (that stage; see take_reports).
@@ -295,14 +298,14 @@ class StageActor:
         }
         if not gone:
             return
-        for rid, req in self._requests.items():
+        for req in self._requests.values():
             if req.route is None:
                 continue
-            for dst, out in self._outputs.items():
+            for dst in self._outputs:
                 endpoint = gone.get((dst, req.route.get(dst, -1)))
                 if endpoint is not None and dst not in req.targets:
-                    out.stop_for(rid, endpoint)
                     req.targets[dst] = SendTarget(endpoint, "")
+                    self._send_nothing(req, dst)
 
     def readers_gone(self, endpoints: set[str]) -> None:
         """Replicas that received data at ``endpoints`` are gone: let every output's
@@ -354,7 +357,35 @@ class StageActor:
             if failure is not None:
                 self._fail(req, failure)
                 return
+        if self._gone:
+            for dst in self._gone.pop(request_id, ()):
+                self._send_nothing(req, dst)
         self._maybe_start(req)
+
+    def gone(self, request_id: str, stage: str) -> None:
+        """``request_id`` goes on without ``stage``'s replica on its route, which died once
+        its consumers had what they read: send it nothing more (no Admit to a restarted
+        successor either). Kept until the request is admitted here, if it is not yet."""
+        if request_id in self._finished:
+            return
+        req = self._requests.get(request_id)
+        if req is None or req.route is None:
+            self._gone.setdefault(request_id, set()).add(stage)
+            if len(self._gone) > UNREADABLE_MEMORY:
+                self._gone.popitem(last=False)
+            return
+        self._send_nothing(req, stage)
+        self._end_if_unread(request_id)
+
+    def _send_nothing(self, req: _Request, dst: str) -> None:
+        """Drop what ``req`` still sends ``dst``, and do not open its way there."""
+        out = self._outputs.get(dst)
+        if out is None:
+            return
+        target = req.targets.get(dst)
+        if target is None:
+            target = req.targets[dst] = SendTarget("", "")
+        out.stop_for(req.request_id, target.endpoint)
 
     def abort(self, request_id: str, reason: str) -> None:
         """Cancel a request's handler and release everything held for it."""
@@ -371,6 +402,8 @@ class StageActor:
         self._remember(request_id)
         if self._unreadable:
             self._unreadable.pop(request_id, None)
+        if self._gone:
+            self._gone.pop(request_id, None)
         if req is None:
             return
         if req.ctx is not None:
@@ -437,6 +470,8 @@ class StageActor:
                     self.admit(msg.request_id, msg.route)
                 elif isinstance(msg, Abort):
                     self.abort(msg.request_id, msg.reason)
+                elif isinstance(msg, Gone):
+                    self.gone(msg.request_id, msg.stage)
                 else:
                     self.forget(msg.request_id)
 
@@ -453,6 +488,8 @@ class StageActor:
             return
         if all(out.reader_stopped(request_id) for out in self._outputs.values()):
             self.counts["unread_ended"] += 1
+            # Its inputs are needed no more, nor is this process by what it sent.
+            self._note_ended(req)
             self.forget(request_id)
 
     def _garbage(self, n: int) -> None:

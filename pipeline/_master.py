@@ -46,6 +46,7 @@ from pipeline._messages import (
     Failed,
     Finished,
     FromClient,
+    Gone,
     Heartbeat,
     Hello,
     Peer,
@@ -284,13 +285,13 @@ class Master:
     def send_to(self, stage: str, replica: int, msg: Any) -> None:
         """Send a message to one replica, if it is registered and alive.
 
-        A request's ``Admit``, ``Abort`` and ``Drop`` go on the data path: in the same batch
-        as (and ahead of) the request's input, so a source never holds input waiting for
-        its Admit. Everything else goes on the control socket.
+        A request's ``Admit``, ``Abort``, ``Drop`` and ``Gone`` go on the data path: in the
+        same batch as (and ahead of) the request's input, so a source never holds input
+        waiting for its Admit. Everything else goes on the control socket.
         """
         rep = self.replicas.get((stage, replica))
         if rep is not None and rep.alive:
-            if isinstance(msg, Admit | Abort | Drop):
+            if isinstance(msg, Admit | Abort | Drop | Gone):
                 self.outbox.send(rep.endpoint, _encode(msg))
             else:
                 self._send(rep.identity, msg)

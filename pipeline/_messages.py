@@ -34,6 +34,7 @@ __all__ = (
     "Failed",
     "Finished",
     "FromClient",
+    "Gone",
     "Grant",
     "Heartbeat",
     "Hello",
@@ -396,6 +397,15 @@ class Drop(_Msg, frozen=True, tag="drop"):
     token: bytes = b""
 
 
+class Gone(_Msg, frozen=True, tag="gone"):
+    """A request goes on without ``stage``, whose replica on its route died once every
+    consumer of that replica had what it reads: send that stage nothing more of it."""
+
+    request_id: str
+    stage: str
+    token: bytes = b""
+
+
 class StatsRequest(_Msg, frozen=True, tag="stats?"):
     """Ask for statistics; the reply carries the same token."""
 
@@ -412,7 +422,9 @@ class Shutdown(_Msg, frozen=True, tag="shutdown"):
     reason: str = ""
 
 
-ControlToWorker = Assignment | Peers | Admit | Abort | Drop | Heartbeat | StatsRequest | Shutdown
+ControlToWorker = (
+    Assignment | Peers | Admit | Abort | Drop | Gone | Heartbeat | StatsRequest | Shutdown
+)
 
 
 # ---- control plane: master -> remote client -----------------------------------------------
@@ -490,6 +502,6 @@ ControlToClient = Welcome | Started | Output | Finished | Alive | StatsAnswer
 #: Stage to stage: chunks and credit. Master to stage: the request messages too (``Admit``,
 #: ``Abort``, ``Drop``), which the master sends on the data path so that they travel with
 #: (and before) a request's first chunks instead of racing them on another socket.
-DataMessage = Chunks | Credit | Admit | Abort | Drop
+DataMessage = Chunks | Credit | Admit | Abort | Drop | Gone
 
 _batch_decoder = msgspec.msgpack.Decoder(list[DataMessage])

@@ -37,7 +37,16 @@ from pipeline._errors import (
     TransportError,
 )
 from pipeline._keys import CLIENT
-from pipeline._messages import Abort, Admit, Chunks, Credit, DataMessage, Drop, decode_batch
+from pipeline._messages import (
+    Abort,
+    Admit,
+    Chunks,
+    Credit,
+    DataMessage,
+    Drop,
+    Gone,
+    decode_batch,
+)
 from pipeline._signature import PipelinePlan
 from pipeline._sockets import MAX_FRAMES, SendData
 
@@ -165,6 +174,11 @@ class Orchestrator:
         #: the client).
         self._downstream = {
             name: () if CLIENT in st.outputs else tuple((name, dst) for dst in st.outputs)
+            for name, st in plan.stages.items()
+        }
+        #: The edges, as (from, to), each stage is sent by (none from the client).
+        self._upstream = {
+            name: tuple((e.src, name) for e in st.inputs.values() if e.src != CLIENT)
             for name, st in plan.stages.items()
         }
         self._from_sinks = {
@@ -532,6 +546,7 @@ class Orchestrator:
                 # Every consumer has every payload of it: whatever the dead handler still
                 # did, nothing it sent is needed from its process.
                 view.requests.discard(rid)
+                self._kept(req, stage)
         return doubt
 
     def judge(self, doubt: InDoubt) -> int:
@@ -548,9 +563,22 @@ class Orchestrator:
                 kept += 1
                 if doubt.view is not None:
                     doubt.view.requests.discard(rid)
+                self._kept(req, doubt.stage)
             else:
                 self._lost(doubt, rid)
         return kept
+
+    def _kept(self, req: ClientRequest, stage: str) -> None:
+        """``req`` goes on without ``stage``, whose replica on its route died: what its
+        producers send it is needed no more. Each is told so, sending nothing more, and
+        counts as done with the request once it ended there (its death then fails it no
+        more)."""
+        rid = req.request_id
+        for edge in self._upstream[stage]:
+            up = edge[0]
+            req.drained.add(edge)
+            self._send_control(up, req.route[up], Gone(rid, stage, self._token))
+            self._release_if_done(req, up)
 
     def _lost(self, doubt: InDoubt, rid: str) -> None:
         why = f"replica {doubt.replica} {doubt.why}"

@@ -51,6 +51,7 @@ from pipeline._messages import (
     ControlToWorker,
     Drop,
     Failed,
+    Gone,
     Peer,
     Peers,
     PeerTable,
@@ -212,6 +213,8 @@ class _Worker:
                 actor.abort(rid, reason)
             case Drop(request_id=rid) if actor is not None:
                 actor.forget(rid)
+            case Gone(request_id=rid, stage=stage) if actor is not None:
+                actor.gone(rid, stage)
             case Peers(peers=peers):
                 # Kept even while the stage is still in setup: the actor is built from the
                 # latest table, not the one in the (older) Assignment.

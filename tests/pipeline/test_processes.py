@@ -391,14 +391,16 @@ async def test_a_replica_killed_after_its_consumer_stopped_reading_frees_its_pro
         assert out == {"s1": Text("t0"), "count": Text("1")}
 
 
+@pytest.mark.parametrize("then_kill", [(), ("p", "src")], ids=["", "then-its-producers"])
 async def test_a_producer_that_first_sends_after_its_consumer_died_sends_it_nothing(
-    tmp_path: Path,
+    tmp_path: Path, then_kill: tuple[str, ...]
 ) -> None:
     """d joins src's text and p's stream, and returns without reading p; c works on what
     d returned. d is killed (and not restarted) before p sends anything: the request needs
     nothing more of d, so it goes on; p, which learns that d is gone before it first sends
     to it, ends its handler (its only consumer is gone) instead of failing the request for
-    want of d."""
+    want of d. Nor does it then need p or src: killing both fails nothing (what they sent
+    to d, and p to d, counted as got once d went)."""
     p_fifo, c_fifo = tmp_path / "p", tmp_path / "c"
     os.mkfifo(p_fifo)
     os.mkfifo(c_fifo)
@@ -423,22 +425,84 @@ async def test_a_producer_that_first_sends_after_its_consumer_died_sends_it_noth
         orch = pipe._master_or_fail().orch
         try:
             await wait_for(lambda: writers.waiting(c_fifo) and writers.waiting(p_fifo), timeout=10)
+            for victim in ("d", *then_kill):
+                os.kill(pipe.worker_pids[(victim, 0)], signal.SIGKILL)
+                await wait_for(lambda v=victim: not orch.replicas[v][0].requests, timeout=10)
+                assert not request.done()
+                # Every live worker has the peer table without it (sent to each before this).
+                await pipe.statistics()
+            if not then_kill:
+                writers.write(p_fifo, b"go\n")
+            writers.write(c_fifo, b"go\n")
+            out = await asyncio.wait_for(request, 10)
+        finally:
+            writers.close()
+        assert out == Text("a b c")
+        if not then_kill:
+            stats = await pipe.statistics()
+            (p,) = (r for r in stats["replicas"] if r["stage"] == "p")
+            (to_d,) = p["outputs"]
+            # p's handler ended as soon as it learned that d, its only consumer, was gone.
+            assert (p["unread_ended"], p["failed"], to_d["chunks"]) == (1, 0, 0), p
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["gone", "restarted"])
+async def test_a_producer_that_gets_a_request_after_its_consumer_died_sends_it_nothing(
+    tmp_path: Path, restart: bool
+) -> None:
+    """As above, but p gets the request (through q, held) only after d died and the master
+    kept the request: told by the master that the request goes on without d, p sends d
+    nothing: no failure for want of d, and no Admit to a restarted d, which would start a
+    handler there waiting for an input that never comes."""
+    q_fifo, c_fifo = tmp_path / "q", tmp_path / "c"
+    os.mkfifo(q_fifo)
+    os.mkfifo(c_fifo)
+    s = spec(
+        {
+            "src": ":Echo",
+            "q": {"impl": ":EchoWhenTold", "env": {"LINGER_FIFO": str(q_fifo)}},
+            "p": ":Tokens",
+            "d": ":TakesSrcOnly",
+            "c": {"impl": ":EchoWhenTold", "env": {"LINGER_FIFO": str(c_fifo)}},
+        },
+        [("src", "d"), ("src", "q"), ("q", "p"), ("p", "d"), ("d", "c")],
+        heartbeat_interval="60s",
+        heartbeat_timeout="120s",
+        report_interval="3600s",
+    )
+    writers = _Writers()
+    async with Pipeline(s) as pipe:
+        assert pipe._launcher is not None
+        if not restart:
+            pipe._launcher._max_restarts = 0
+        request = asyncio.ensure_future(pipe.submit(Text("a b c")))
+        orch = pipe._master_or_fail().orch
+        try:
+            await wait_for(lambda: writers.waiting(c_fifo) and writers.waiting(q_fifo), timeout=10)
             os.kill(pipe.worker_pids[("d", 0)], signal.SIGKILL)
             await wait_for(lambda: not orch.replicas["d"][0].requests, timeout=10)
-            assert not request.done()
-            # Every live worker has the peer table without d (sent to each before this).
-            await pipe.statistics()
-            writers.write(p_fifo, b"go\n")
+            if restart:
+                await wait_for(lambda: orch.replicas["d"][0].ready, timeout=30)
+            await pipe.statistics()  # p has the latest peer table, and the master's word
+            writers.write(q_fifo, b"go\n")
+
+            async def p_done() -> bool:
+                stats = await pipe.statistics()
+                p = next(r for r in stats["replicas"] if r["stage"] == "p")
+                return bool(p["started"] == 1 and p["active"] == 0)
+
+            await wait_for(p_done, timeout=10)
             writers.write(c_fifo, b"go\n")
             out = await asyncio.wait_for(request, 10)
         finally:
             writers.close()
         assert out == Text("a b c")
         stats = await pipe.statistics()
-        (p,) = (r for r in stats["replicas"] if r["stage"] == "p")
-        (to_d,) = p["outputs"]
-        # p's handler ended as soon as it learned that d, its only consumer, was gone.
-        assert (p["unread_ended"], p["failed"], to_d["chunks"]) == (1, 0, 0), p
+        (to_d,) = next(r for r in stats["replicas"] if r["stage"] == "p")["outputs"]
+        assert to_d["chunks"] == 0, to_d
+        if restart:
+            successor = next(r for r in stats["replicas"] if r["stage"] == "d")
+            assert successor["started"] == 0, successor
 
 
 async def test_a_replica_whose_output_its_consumer_has_not_had_is_not_done_with_it(
