@@ -156,6 +156,7 @@ class _Request:
         "admit",
         "created",
         "ctx",
+        "endpoints",
         "inflows",
         "request_id",
         "route",
@@ -170,6 +171,8 @@ class _Request:
         #: moves fails the requests it held, so a request never needs a second lookup.
         self.targets: dict[str, SendTarget] = {}
         self.route: dict[str, int] | None = None
+        #: The data endpoint of each replica of the route, as the orchestrator chose it.
+        self.endpoints: dict[str, str] = {}
         #: The orchestrator's Admit, encoded once, for the downstream replicas.
         self.admit: bytes | None = None
         self.inflows = inflows
@@ -281,10 +284,12 @@ class StageActor:
         """Learn where every replica (and the client) receives data.
 
         A replica that left the table, or is there with another endpoint (restarted), is
-        gone for the requests routed to it before: those this replica has sent nothing to
-        it yet send it nothing (their chunks are dropped as unread, and no Admit goes to
-        its successor). The master fails each such request that still needed it; the
-        others go on without it.
+        gone for the requests routed to it: those this replica has sent nothing to it yet
+        send it nothing (their chunks are dropped as unread, and no Admit goes to its
+        successor). A request routed to the successor (its Admit names the successor's
+        endpoint) is not one of them, even when its data comes before this table. The
+        master fails each such request that still needed the gone replica; the others go
+        on without it.
         """
         old, self._peers = self._peers, peers
         self._targets = {}
@@ -303,7 +308,13 @@ class StageActor:
                 continue
             for dst in self._outputs:
                 endpoint = gone.get((dst, req.route.get(dst, -1)))
-                if endpoint is not None and dst not in req.targets:
+                # Routed to that incarnation (not to its successor, should this table be
+                # read late), and nothing sent to it yet.
+                if (
+                    endpoint is not None
+                    and req.endpoints.get(dst, endpoint) == endpoint
+                    and dst not in req.targets
+                ):
                     req.targets[dst] = SendTarget(endpoint, "")
                     self._send_nothing(req, dst)
 
@@ -341,17 +352,22 @@ class StageActor:
             self._targets[dst, replica] = target
         if dst != CLIENT:
             if req.admit is None:
-                req.admit = encode_message(Admit(req.request_id, route, self._token))
+                req.admit = encode_message(Admit(req.request_id, route, self._token, req.endpoints))
             self._send_data(target.endpoint, req.admit)
         req.targets[dst] = target
         return target
 
-    def admit(self, request_id: str, route: dict[str, int]) -> None:
-        """Expect ``request_id``; its handler starts when its first chunk is here."""
+    def admit(
+        self, request_id: str, route: dict[str, int], endpoints: dict[str, str] | None = None
+    ) -> None:
+        """Expect ``request_id``, routed to ``route``'s replicas (at ``endpoints``, when
+        known); its handler starts when its first chunk is here."""
         if request_id in self._finished:
             return
         req = self._request(request_id)
         req.route = route
+        if endpoints:
+            req.endpoints = endpoints
         if self._unreadable:
             failure = self._unreadable.pop(request_id, None)
             if failure is not None:
@@ -467,7 +483,7 @@ class StageActor:
                 elif not self._token or msg.token != self._token:
                     self._garbage(1)  # a request message that is not the master's
                 elif isinstance(msg, Admit):
-                    self.admit(msg.request_id, msg.route)
+                    self.admit(msg.request_id, msg.route, msg.endpoints)
                 elif isinstance(msg, Abort):
                     self.abort(msg.request_id, msg.reason)
                 elif isinstance(msg, Gone):

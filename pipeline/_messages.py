@@ -380,6 +380,9 @@ class Admit(_Msg, frozen=True, tag="admit"):
     #: The pipeline's token (``Assignment.token``): on the data path, which anyone who can
     #: reach a data socket may write to, a request message without it is garbage.
     token: bytes = b""
+    #: The data endpoint of each replica in ``route``: which incarnation of a replica
+    #: slot the request was routed to, should the slot's replica die and restart.
+    endpoints: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class Abort(_Msg, frozen=True, tag="abort"):

@@ -317,7 +317,7 @@ class Orchestrator:
         self.requests[rid] = req
         self.counts["submitted"] += 1
         self.peak_active = max(self.peak_active, len(self.requests))
-        admit = Admit(rid, route, self._token)
+        admit = Admit(rid, route, self._token, {stage: r.endpoint for stage, r in chosen.items()})
         for stage, r in chosen.items():
             r.requests.add(rid)
             if stage in self._to_sources:

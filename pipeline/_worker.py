@@ -207,8 +207,8 @@ class _Worker:
         self.last_seen = time.monotonic()
         actor = self.actor
         match msg:
-            case Admit(request_id=rid, route=route) if actor is not None:
-                actor.admit(rid, route)
+            case Admit(request_id=rid, route=route, endpoints=endpoints) if actor is not None:
+                actor.admit(rid, route, endpoints)
             case Abort(request_id=rid, reason=reason) if actor is not None:
                 actor.abort(rid, reason)
             case Drop(request_id=rid) if actor is not None:

@@ -203,3 +203,32 @@ async def test_chunks_that_cannot_be_read_fail_their_request_at_once() -> None:
         assert actor.inflight == 0 and actor.counts["failed"] == 2
     finally:
         await actor.aclose()
+
+
+async def test_a_gone_replica_is_sent_nothing_of_its_requests_but_its_successor_is() -> None:
+    """The replica of 'next' dies and restarts at another endpoint. Of the requests routed
+    to that slot and not yet sent there, the one routed to the dead incarnation sends it
+    nothing once the table without it comes (no Admit to the successor either); the one
+    routed to the successor (its data came before the stale table did) is left alone, and
+    sends to the successor once it is in the table."""
+    stages = {"up": ":Echo", "echo": ":Echo", "next": ":Echo"}
+    plan = build_plan(spec(stages, [("up", "echo"), ("echo", "next")]))
+    actor = _echo_actor(plan, lambda _endpoint, _msg: None, lambda _info: None)
+    peers = {name: {0: Peer(f"inproc://{name}", "h")} for name in stages}
+    client = Peer("inproc://client", "h")
+    actor.set_peers(peers, client)
+    route = {"up": 0, "echo": 0, "next": 0}
+    try:
+        actor.admit("old", route, {"next": "inproc://next"})
+        actor.admit("new", route, {"next": "inproc://next-2"})
+        actor.set_peers({**peers, "next": {}})
+        old, new = actor._requests["old"], actor._requests["new"]
+        to_next = actor._outputs["next"]
+        assert to_next.reader_stopped("old") and old.targets["next"].endpoint == "inproc://next"
+        assert not to_next.reader_stopped("new") and "next" not in new.targets
+        actor.set_peers({**peers, "next": {0: Peer("inproc://next-2", "h")}})
+        assert actor._target("next", new).endpoint == "inproc://next-2"
+        assert actor._target("next", old).endpoint == "inproc://next"  # still nothing sent
+        assert to_next.reader_stopped("old") and not to_next.reader_stopped("new")
+    finally:
+        await actor.aclose()
