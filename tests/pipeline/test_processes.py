@@ -212,6 +212,9 @@ class _Writers:
 
 
 PLUGIN = "tests.transports.plugin_transport:EchoTransport"
+#: Heartbeats and reports due far past a test's end: the master knows of a request's
+#: progress only what it asks when a replica dies.
+UNREPORTED = {"heartbeat_interval": "60s", "heartbeat_timeout": "120s", "report_interval": "3600s"}
 
 
 @pytest.mark.parametrize(
@@ -239,9 +242,7 @@ async def test_a_replica_killed_before_its_consumer_reported_fails_only_what_it_
     fifo, s = _lingering(
         tmp_path,
         sink,
-        heartbeat_interval="60s",
-        heartbeat_timeout="120s",
-        report_interval="3600s",
+        **UNREPORTED,
         transport=edge,
     )
     writers = _Writers()
@@ -316,9 +317,7 @@ async def test_a_replica_feeding_a_join_killed_before_any_report_fails_nothing(
     """The join of the test above, with reports and heartbeats due far past the test's end:
     pre is killed once encode and prefill each have its payload, before either could say
     so. The master asks both before failing anything, and the request completes."""
-    fifo, s = _join(
-        tmp_path, heartbeat_interval="60s", heartbeat_timeout="120s", report_interval="3600s"
-    )
+    fifo, s = _join(tmp_path, **UNREPORTED)
     writers = _Writers()
     async with Pipeline(s) as pipe:
         request = asyncio.ensure_future(pipe.submit(Text("abc")))
@@ -367,9 +366,7 @@ async def test_a_replica_killed_after_its_consumer_stopped_reading_frees_its_pro
         },
         [("src", "first"), ("src", "count"), ("first", "s1")],
         window=4,
-        heartbeat_interval="60s",
-        heartbeat_timeout="120s",
-        report_interval="3600s",
+        **UNREPORTED,
     )
     writers = _Writers()
 
@@ -391,6 +388,26 @@ async def test_a_replica_killed_after_its_consumer_stopped_reading_frees_its_pro
         assert out == {"s1": Text("t0"), "count": Text("1")}
 
 
+def _fifo(tmp_path: Path, name: str) -> Path:
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    return fifo
+
+
+def _skipping_join(
+    tmp_path: Path, feeding_p: dict[str, Any], edges_to_p: list[tuple[str, str]]
+) -> tuple[Path, PipelineSpec]:
+    """src -> d, p -> d, d -> c: d (TakesSrcOnly) joins src's text and p's stream and
+    returns without reading p; c (EchoWhenTold) holds the result until told through the
+    FIFO returned. ``feeding_p`` and ``edges_to_p`` bring p (and what feeds it) from src.
+    Reports and heartbeats are due past the test's end."""
+    c_fifo = _fifo(tmp_path, "c")
+    c = {"impl": ":EchoWhenTold", "env": {"LINGER_FIFO": str(c_fifo)}}
+    stages = {"src": ":Echo", **feeding_p, "d": ":TakesSrcOnly", "c": c}
+    edges = [("src", "d"), *edges_to_p, ("p", "d"), ("d", "c")]
+    return c_fifo, spec(stages, edges, **UNREPORTED)
+
+
 @pytest.mark.parametrize("then_kill", [(), ("p", "src")], ids=["", "then-its-producers"])
 async def test_a_producer_that_first_sends_after_its_consumer_died_sends_it_nothing(
     tmp_path: Path, then_kill: tuple[str, ...]
@@ -401,20 +418,11 @@ async def test_a_producer_that_first_sends_after_its_consumer_died_sends_it_noth
     to it, ends its handler (its only consumer is gone) instead of failing the request for
     want of d. Nor does it then need p or src: killing both fails nothing (what they sent
     to d, and p to d, counted as got once d went)."""
-    p_fifo, c_fifo = tmp_path / "p", tmp_path / "c"
-    os.mkfifo(p_fifo)
-    os.mkfifo(c_fifo)
-    s = spec(
-        {
-            "src": ":Echo",
-            "p": {"impl": ":TokensWhenTold", "env": {"LINGER_FIFO": str(p_fifo)}},
-            "d": ":TakesSrcOnly",
-            "c": {"impl": ":EchoWhenTold", "env": {"LINGER_FIFO": str(c_fifo)}},
-        },
-        [("src", "d"), ("src", "p"), ("p", "d"), ("d", "c")],
-        heartbeat_interval="60s",
-        heartbeat_timeout="120s",
-        report_interval="3600s",
+    p_fifo = _fifo(tmp_path, "p")
+    c_fifo, s = _skipping_join(
+        tmp_path,
+        {"p": {"impl": ":TokensWhenTold", "env": {"LINGER_FIFO": str(p_fifo)}}},
+        [("src", "p")],
     )
     writers = _Writers()
 
@@ -454,21 +462,11 @@ async def test_a_producer_that_gets_a_request_after_its_consumer_died_sends_it_n
     kept the request: told by the master that the request goes on without d, p sends d
     nothing: no failure for want of d, and no Admit to a restarted d, which would start a
     handler there waiting for an input that never comes."""
-    q_fifo, c_fifo = tmp_path / "q", tmp_path / "c"
-    os.mkfifo(q_fifo)
-    os.mkfifo(c_fifo)
-    s = spec(
-        {
-            "src": ":Echo",
-            "q": {"impl": ":EchoWhenTold", "env": {"LINGER_FIFO": str(q_fifo)}},
-            "p": ":Tokens",
-            "d": ":TakesSrcOnly",
-            "c": {"impl": ":EchoWhenTold", "env": {"LINGER_FIFO": str(c_fifo)}},
-        },
-        [("src", "d"), ("src", "q"), ("q", "p"), ("p", "d"), ("d", "c")],
-        heartbeat_interval="60s",
-        heartbeat_timeout="120s",
-        report_interval="3600s",
+    q_fifo = _fifo(tmp_path, "q")
+    c_fifo, s = _skipping_join(
+        tmp_path,
+        {"q": {"impl": ":EchoWhenTold", "env": {"LINGER_FIFO": str(q_fifo)}}, "p": ":Tokens"},
+        [("src", "q"), ("q", "p")],
     )
     writers = _Writers()
     async with Pipeline(s) as pipe:
