@@ -12,6 +12,7 @@ request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections import OrderedDict, deque
@@ -240,6 +241,12 @@ class StageActor:
         self._unreadable: OrderedDict[str, TransportError] = OrderedDict()
         #: Stages that requests not admitted here yet go on without (see :meth:`gone`).
         self._gone: OrderedDict[str, set[str]] = OrderedDict()
+        #: Data endpoints of replicas that left the peer table (died, or restarted
+        #: elsewhere): a request routed to one of them sends it nothing.
+        self._left: OrderedDict[str, None] = OrderedDict()
+        #: Set (and replaced) whenever the peer table changes or a request goes on without
+        #: a stage: what a send waiting for a table naming its replica waits on.
+        self._table_changed: asyncio.Event | None = None
         #: What the master learns with the next heartbeat, as (request id, stage): which
         #: requests ended here (:data:`ENDED`), and which have all the payloads of an
         #: upstream stage here (that stage; see take_reports).
@@ -287,9 +294,9 @@ class StageActor:
         gone for the requests routed to it: those this replica has sent nothing to it yet
         send it nothing (their chunks are dropped as unread, and no Admit goes to its
         successor). A request routed to the successor (its Admit names the successor's
-        endpoint) is not one of them, even when its data comes before this table. The
-        master fails each such request that still needed the gone replica; the others go
-        on without it.
+        endpoint) is not one of them: should its data come before this table, its sends
+        there wait for the table (see :meth:`_target`). The master fails each request that
+        still needed the gone replica; the others go on without it.
         """
         old, self._peers = self._peers, peers
         self._targets = {}
@@ -301,6 +308,15 @@ class StageActor:
             for k, peer in replicas.items()
             if (now := peers.get(stage, {}).get(k)) is None or now.endpoint != peer.endpoint
         }
+        for left in gone.values():
+            self._left[left] = None
+        if self._left:
+            for replicas in peers.values():  # an endpoint taken again by a new replica
+                for peer in replicas.values():
+                    self._left.pop(peer.endpoint, None)
+            while len(self._left) > UNREADABLE_MEMORY:
+                self._left.popitem(last=False)
+        self._wake_table_waiters()
         if not gone:
             return
         for req in self._requests.values():
@@ -328,7 +344,7 @@ class StageActor:
             for rid in list(self._requests):
                 self._end_if_unread(rid)
 
-    def _target(self, dst: str, req: _Request) -> SendTarget:
+    def _target(self, dst: str, req: _Request) -> SendTarget | None:
         """Where ``dst``'s chunks of ``req`` go; the first time, the Admit goes there too.
 
         The orchestrator sends its ``Admit`` (with the pipeline's token) to the source
@@ -336,6 +352,14 @@ class StageActor:
         request's first chunk there, in the same batch. A downstream stage then learns of
         a request exactly when its data starts to come, and no stage is woken for a
         request before it has work.
+
+        None while the peer table here does not name the replica incarnation the request
+        was routed to: the request came before the table naming a restarted replica (the
+        master sends both at once, on different sockets); see :meth:`_table_for`. A
+        request routed to an incarnation that left the table sends it nothing.
+
+        Raises:
+            StageUnavailable: the route names a replica this table never had.
         """
         target = req.targets.get(dst)
         if target is not None:
@@ -346,16 +370,61 @@ class StageActor:
         target = self._targets.get((dst, replica))
         if target is None:
             peer = self._client if dst == CLIENT else self._peers.get(dst, {}).get(replica)
-            if peer is None:
-                raise StageUnavailable(dst, f"replica {replica} is not known to {self.stage!r}")
-            target = SendTarget(peer.endpoint, peer.host, local_pid(peer.pid, peer.pidns))
-            self._targets[dst, replica] = target
+            if peer is not None:
+                target = SendTarget(peer.endpoint, peer.host, local_pid(peer.pid, peer.pidns))
+                self._targets[dst, replica] = target
+        if dst != CLIENT:
+            wanted = req.endpoints.get(dst)
+            if wanted is not None and (target is None or target.endpoint != wanted):
+                if wanted not in self._left:
+                    return None  # its table is yet to come
+                self._send_nothing(req, dst)
+                return req.targets[dst]
+        if target is None:
+            raise StageUnavailable(dst, f"replica {replica} is not known to {self.stage!r}")
         if dst != CLIENT:
             if req.admit is None:
                 req.admit = encode_message(Admit(req.request_id, route, self._token, req.endpoints))
             self._send_data(target.endpoint, req.admit)
         req.targets[dst] = target
         return target
+
+    async def _table_for(self, dst: str, req: _Request) -> SendTarget:
+        """Where ``dst``'s chunks of ``req`` go, once the peer table names the replica the
+        request was routed to: at most the edge's chunk timeout, as its consumer would
+        wait for a chunk.
+
+        Raises:
+            StageUnavailable: no such table came in time.
+            RequestAborted: the request ended meanwhile.
+        """
+        timeout = self._outputs[dst].plan.chunk_timeout
+        deadline = time.monotonic() + timeout
+        rid = req.request_id
+        while True:
+            if self._table_changed is None:
+                self._table_changed = asyncio.Event()
+            changed = self._table_changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
+            if self._requests.get(rid) is not req:
+                raise _ended(rid)
+            target = self._target(dst, req)
+            if target is not None:
+                return target
+            if time.monotonic() >= deadline:
+                raise StageUnavailable(
+                    dst,
+                    f"{self.stage!r} was never told of the replica at "
+                    f"{req.endpoints[dst]} that the request was routed to "
+                    f"(waited {timeout:g}s for the master's peer table)",
+                    request_id=rid,
+                )
+
+    def _wake_table_waiters(self) -> None:
+        if self._table_changed is not None:
+            self._table_changed.set()
+            self._table_changed = None
 
     def admit(
         self, request_id: str, route: dict[str, int], endpoints: dict[str, str] | None = None
@@ -391,6 +460,7 @@ class StageActor:
                 self._gone.popitem(last=False)
             return
         self._send_nothing(req, stage)
+        self._wake_table_waiters()
         self._end_if_unread(request_id)
 
     def _send_nothing(self, req: _Request, dst: str) -> None:
@@ -820,7 +890,7 @@ class StageActor:
                             raise _ended(rid)
                         encoded = encode(value)
                         if target is None:
-                            target = self._target(dst, req)
+                            target = self._target(dst, req) or await self._table_for(dst, req)
                         if not try_send(rid, encoded, False, target):
                             await out.send(rid, encoded, False, target)
                         if pacer is not None:
@@ -864,7 +934,7 @@ class StageActor:
     ) -> None:
         if self._requests.get(rid) is not req:
             raise _ended(rid)
-        target = self._target(dst, req)
+        target = self._target(dst, req) or await self._table_for(dst, req)
         if not out.try_send(rid, encoded, final, target):
             await out.send(rid, encoded, final, target)
 

@@ -227,8 +227,95 @@ async def test_a_gone_replica_is_sent_nothing_of_its_requests_but_its_successor_
         assert to_next.reader_stopped("old") and old.targets["next"].endpoint == "inproc://next"
         assert not to_next.reader_stopped("new") and "next" not in new.targets
         actor.set_peers({**peers, "next": {0: Peer("inproc://next-2", "h")}})
-        assert actor._target("next", new).endpoint == "inproc://next-2"
-        assert actor._target("next", old).endpoint == "inproc://next"  # still nothing sent
+        assert (to_new := actor._target("next", new)) and to_new.endpoint == "inproc://next-2"
+        assert (to_old := actor._target("next", old)) and to_old.endpoint == "inproc://next"
         assert to_next.reader_stopped("old") and not to_next.reader_stopped("new")
     finally:
         await actor.aclose()
+
+
+class _Relay:
+    """Replica 0 of 'echo' in up -> echo -> next, fed by an 'up' channel; what it sends is
+    in ``sent`` as (endpoint, message), what it reports failed in ``reported``."""
+
+    def __init__(self, **defaults: Any) -> None:
+        stages = {"up": ":Echo", "echo": ":Echo", "next": ":Echo"}
+        plan = build_plan(spec(stages, [("up", "echo"), ("echo", "next")], **defaults))
+        self.sent: list[tuple[str, Any]] = []
+        self.reported: list[FailureInfo] = []
+        self.actor = _echo_actor(
+            plan, lambda endpoint, msg: self.sent.append((endpoint, msg)), self.reported.append
+        )
+        self.peers = {name: {0: Peer(f"inproc://{name}", "h")} for name in stages}
+        self.actor.set_peers(self.peers, Peer("inproc://client", "h"))
+        self._runs: list[Any] = []
+        self.up = OutputChannel(
+            plan.stages["up"].outputs["echo"],
+            host="h",
+            endpoint="inproc://up",
+            send=lambda _, run: self._runs.append(run),
+        )
+
+    def restart_next(self, endpoint: str) -> None:
+        self.actor.set_peers({**self.peers, "next": {0: Peer(endpoint, "h")}})
+
+    async def feed(self, rid: str, next_at: str) -> None:
+        """Admit ``rid`` routed to the replica of 'next' at ``next_at``, and send it one chunk."""
+        self.actor.admit(rid, {"up": 0, "echo": 0, "next": 0}, {"next": next_at})
+        await self.up.send(rid, self.up.codec.encode(Text(rid)), True, SendTarget("", "h"))
+        self.actor.on_data([encode_batch([self._runs.pop().seal()])])
+
+    async def aclose(self) -> None:
+        await self.up.aclose()
+        await self.actor.aclose()
+
+
+async def test_a_request_whose_data_comes_before_the_table_naming_its_replica_waits_for_it() -> (
+    None
+):
+    """The replica of 'next' restarted at another endpoint, and a request routed to the new
+    one comes before the master's table naming it (the two travel on different sockets):
+    its handler waits for that table, then sends there, Admit first; nothing goes to the
+    endpoint of the dead incarnation."""
+    relay = _Relay()
+    try:
+        await relay.feed("r1", "inproc://next-2")
+        await wait_for(lambda: relay.actor._table_changed is not None, 5, interval=0)
+        assert relay.sent == [] and relay.actor.inflight == 1
+        relay.restart_next("inproc://next-2")
+        await wait_for(lambda: not relay.actor.inflight, 5)
+        assert relay.reported == [] and relay.actor.counts["completed"] == 1
+        assert [endpoint for endpoint, _ in relay.sent] == ["inproc://next-2"] * 2
+    finally:
+        await relay.aclose()
+
+
+async def test_a_request_routed_to_a_replica_its_table_never_names_fails_at_the_chunk_timeout() -> (
+    None
+):
+    """Should the table naming the request's replica never come, the request fails with
+    StageUnavailable naming that replica once the edge's chunk timeout passed: no hang."""
+    relay = _Relay(chunk_timeout="200ms")
+    try:
+        await relay.feed("r1", "inproc://next-2")
+        await wait_for(lambda: bool(relay.reported), 5)
+        (failure,) = relay.reported
+        assert failure.kind == "unavailable" and failure.stage == "next"
+        assert "inproc://next-2" in failure.message, failure
+        assert relay.sent == [] and relay.actor.inflight == 0
+    finally:
+        await relay.aclose()
+
+
+async def test_a_request_routed_to_a_replica_gone_before_its_data_came_sends_it_nothing() -> None:
+    """A request routed to the incarnation of 'next' that the table here already replaced
+    sends nothing to it, nor relays its Admit to the successor (the master fails or keeps
+    the request, and tells this replica so after)."""
+    relay = _Relay()
+    try:
+        relay.restart_next("inproc://next-2")
+        await relay.feed("r1", "inproc://next")
+        await wait_for(lambda: not relay.actor.inflight, 5)
+        assert relay.sent == [] and relay.reported == []
+    finally:
+        await relay.aclose()
