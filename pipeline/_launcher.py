@@ -229,7 +229,8 @@ class LocalLauncher:
 
         Raises:
             Nothing: each worker is signalled through its pidfd, which names that process
-            and no other, even if its pid was reused.
+            and no other, even if its pid was reused (one without a pidfd by its pid, only
+            while it is a child not yet reaped).
         """
         self._closing = True
         victims: dict[int, int] = {}
@@ -237,6 +238,12 @@ class LocalLauncher:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
             victims[fd] = pid
+        # Any without a pidfd (none could be opened: the process was out of descriptors).
+        unwatched = [
+            proc
+            for proc in self.procs.values()
+            if proc.returncode is None and proc.pid not in self._pidfds and _kill_child(proc.pid)
+        ]
         deadline = time.monotonic() + 2.0
         waiting = dict(victims)
         poller = select.poll()
@@ -246,6 +253,11 @@ class LocalLauncher:
             for fd, _ in poller.poll(int(left * 1000) + 1):
                 poller.unregister(fd)
                 waiting.pop(fd, None)
+        for proc in unwatched:
+            while not _child_exited(proc.pid, reap=loop_closed) and time.monotonic() < deadline:
+                time.sleep(0.001)  # nothing to wait on but the pid
+            if _child_exited(proc.pid, reap=loop_closed):
+                _mark_killed(proc)
         for proc in self.procs.values():
             pidfd = self._pidfds.get(proc.pid)
             if pidfd is None or pidfd in waiting:
@@ -277,6 +289,28 @@ class LocalLauncher:
                     await asyncio.gather(*(p.wait() for p in running))
             except TimeoutError:
                 continue
+
+
+def _kill_child(pid: int) -> bool:
+    """SIGKILL ``pid`` if it is still a child of this process, running or not yet reaped
+    (a worker without a pidfd); True if so. A pid already reaped may name another process
+    by now, and is left alone."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def _child_exited(pid: int, *, reap: bool) -> bool:
+    """Whether the child ``pid`` has exited (reaped already, or ``reap`` it now)."""
+    flags = os.WEXITED | os.WNOHANG | (0 if reap else os.WNOWAIT)
+    try:
+        return os.waitid(os.P_PID, pid, flags) is not None
+    except ChildProcessError:
+        return True
 
 
 def _mark_killed(proc: asyncio.subprocess.Process) -> None:

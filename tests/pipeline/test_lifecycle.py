@@ -5,6 +5,8 @@ after its own loop has closed)."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -95,9 +97,15 @@ async def test_a_close_whose_caller_is_cancelled_still_stops_the_workers() -> No
     await asyncio.wait_for(pipe.aclose(), 5)  # the same close, done
 
 
-def test_a_close_cancelled_as_its_loop_ends_kills_the_workers() -> None:
+def _no_pidfd(pid: int, flags: int = 0) -> int:
+    raise OSError(errno.EMFILE, "Too many open files")
+
+
+@pytest.mark.parametrize("pidfds", [True, False], ids=["pidfds", "no-pidfds"])
+def test_a_close_cancelled_as_its_loop_ends_kills_the_workers(pidfds: bool) -> None:
     """``asyncio.run`` ends while the close waits for a busy worker, cancelling it: the
-    workers are killed then, not left running with nobody to stop them."""
+    workers are killed then, not left running with nobody to stop them; so is a worker
+    whose pidfd could not be opened (the process was out of descriptors), by its pid."""
     pipe = Pipeline(spec({"hog": ":Hog"}, []))
     pids: list[int] = []
 
@@ -110,7 +118,10 @@ def test_a_close_cancelled_as_its_loop_ends_kills_the_workers() -> None:
             await asyncio.wait_for(pipe.aclose(), 0.5)
         busy.cancel()
 
-    asyncio.run(main())  # cancels the close still running
+    with pytest.MonkeyPatch.context() as patch:
+        if not pidfds:
+            patch.setattr(os, "pidfd_open", _no_pidfd)
+        asyncio.run(main())  # cancels the close still running
     assert pids and wait_exited(pids, 5)
 
 
