@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import structlog
 
+from pipeline._codec import resolve_device
 from pipeline._config import PipelineSpec
 from pipeline._errors import EndOfChannel, PayloadError
 from pipeline._launcher import LocalLauncher
@@ -150,16 +151,27 @@ class Pipeline(LoopBound):
         self,
         spec: PipelineSpec | Mapping[str, Any],
         *,
+        device: str | None = None,
         source: str | None = None,
         _document: YamlDocument | None = None,
     ):
         """Check the spec and every edge's types; starts nothing.
 
+        Args:
+            spec: the pipeline, as a :class:`PipelineSpec` or the mapping a YAML file holds.
+            device: where the outputs' tensors land, as ``torch.load``'s ``map_location``
+                (``"cpu"``, ``"cuda:1"``; see :meth:`connect`). Default: the device each
+                was sent from.
+            source: the file ``spec`` was read from, named in errors.
+
         Raises:
-            ConfigError: the spec is invalid or an edge's types do not match.
+            ConfigError: the spec is invalid, an edge's types do not match, or ``device``
+                names no device this process can use.
         """
         self.spec = spec if isinstance(spec, PipelineSpec) else PipelineSpec.from_dict(spec)
         self.plan: PipelinePlan = build_plan(self.spec, source=source, document=_document)
+        #: Where the outputs' tensors land (None: the device each was sent from).
+        self.device = None if device is None else resolve_device(device)
         self._master: Master | None = None
         self._launcher: LocalLauncher | None = None
         #: Whether the latest start completed: workers then get a grace period on close.
@@ -171,15 +183,18 @@ class Pipeline(LoopBound):
         self._serves_clients = False
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> Pipeline:
-        """Load, validate and type-check a YAML pipeline; starts nothing.
+    def from_yaml(cls, path: str | os.PathLike[str], *, device: str | None = None) -> Pipeline:
+        """Load, validate and type-check a YAML pipeline; starts nothing. ``device``: as
+        for :class:`Pipeline`.
 
         Raises:
-            ConfigError: naming the file, field and line.
+            ConfigError: naming the file, field and line; or ``device`` names no device
+                this process can use.
         """
         document = read_yaml_file(path)
         # The document goes along so that errors found building the plan name their line.
-        return cls(PipelineSpec.from_document(document), source=os.fspath(path), _document=document)
+        spec = PipelineSpec.from_document(document)
+        return cls(spec, device=device, source=os.fspath(path), _document=document)
 
     @classmethod
     def connect(
@@ -282,7 +297,9 @@ class Pipeline(LoopBound):
         self._bind()
         self._ready = self._closed = False
         keys = resolve_keys(self.spec.master.keys)
-        master = self._master = Master(self.plan, keys=keys, serves_clients=self._serves_clients)
+        master = self._master = Master(
+            self.plan, keys=keys, serves_clients=self._serves_clients, device=self.device
+        )
         try:
             await master.start()
         except BaseException:

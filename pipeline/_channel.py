@@ -874,11 +874,14 @@ class InputChannel:
         *,
         host: str,
         send: SendData,
+        device: str | None = None,
     ) -> None:
         self.plan = plan
         self._host = host
         self._send = send
-        self._codec = codec_for(plan.payload_type)
+        codec = codec_for(plan.payload_type)
+        #: Decodes land every tensor on ``device``, when given (the embedded client's).
+        self._codec = codec if device is None else codec.onto(device)
         self._ctx = EdgeContext(plan.name, host, plan.transport.options, plan.inline_threshold)
         self._transports = plan.transports
         #: Transports whose payloads need their producer even once got (see Inflow.fragile).

@@ -491,6 +491,11 @@ class PayloadCodec(Generic[T]):
         except DECODE_ERRORS as e:
             raise self._decode_error(e) from e
 
+    def onto(self, device: str) -> PayloadCodec[T]:
+        """This codec, with every decode landing every tensor on ``device`` (as
+        :func:`resolve_device` gives it), as :meth:`decode` with ``device`` does."""
+        return _OntoCodec(self.type, device)
+
     def decode_header(self, header: bytes) -> T:
         """Decode a payload that has no out-of-band buffers from its header alone.
 
@@ -527,6 +532,20 @@ def codec_for(type_: Any) -> PayloadCodec[Any]:
         PayloadError: msgspec cannot decode ``type_``.
     """
     return PayloadCodec(type_)
+
+
+class _OntoCodec(PayloadCodec[T]):
+    """A codec whose decodes land every tensor on one device (see :meth:`PayloadCodec.onto`)."""
+
+    def __init__(self, type_: type[T] | Any, device: str) -> None:
+        super().__init__(type_)
+        self.device = device
+
+    def decode(self, encoded: Encoded, *, device: str | None = None) -> T:
+        return super().decode(encoded, device=device or self.device)
+
+    def decode_header(self, header: bytes) -> T:
+        return self._decode_onto(header, self.device)
 
 
 def resolve_device(device: str) -> str:

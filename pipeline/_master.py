@@ -159,8 +159,11 @@ class Master:
         bind: str | None = None,
         keys: CurveKeys | None = None,
         serves_clients: bool = False,
+        device: str | None = None,
     ) -> None:
         self.plan = plan
+        #: Where the outputs' tensors land at this master's own client (None: where sent from).
+        self._device = device
         #: The pipeline's CURVE pair: every socket here authenticates and encrypts with it.
         self.keys = keys
         self.spec = plan.spec
@@ -255,6 +258,7 @@ class Master:
             send_data=self.outbox.send,
             send_control=self.send_to,
             token=self.token,
+            device=self._device,
         )
         self._control_reader = SocketReader(self.router, self._on_control, self._on_error)
         on_data = self.outbox.flushing_after(self.orch.on_data)

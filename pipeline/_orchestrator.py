@@ -141,6 +141,7 @@ class Orchestrator:
         send_data: SendData,
         send_control: Callable[[str, int, Any], None],
         token: bytes = b"",
+        device: str | None = None,
     ) -> None:
         self.plan = plan
         self._token = token
@@ -182,7 +183,9 @@ class Orchestrator:
             for name, st in plan.stages.items()
         }
         self._from_sinks = {
-            sink: InputChannel(plan.stages[sink].outputs[CLIENT], host=host, send=send_data)
+            sink: InputChannel(
+                plan.stages[sink].outputs[CLIENT], host=host, send=send_data, device=device
+            )
             for sink in plan.sinks
         }
         self._by_edge = {ch.plan.name: ch for ch in self._from_sinks.values()}

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -28,8 +29,8 @@ from pipeline import ConfigError, PayloadError, Pipeline
 from pipeline._codec import _REF_DECODER, _REF_ENCODER, codec_for
 from pipeline._messages import Output, Welcome, encode_message
 from stages.text import Text
-from tests.pipeline.conftest import grid_module, wait_for, workers_announced
-from tests.pipeline.tensor_stages import Frame
+from tests.pipeline.conftest import grid_module, spec, wait_for, workers_announced
+from tests.pipeline.tensor_stages import FACTORS, Frame
 from tests.pipeline.test_connect_failures import FakeMaster
 from tests.procs import ROOT, free_port, kill_all, start_stagewire
 
@@ -194,3 +195,26 @@ async def test_a_gpu_output_reaches_a_client_without_that_gpu_on_the_chosen_devi
             assert got.pixels.dtype == torch.float32 and torch.equal(got.pixels, want.pixels)
     finally:
         await master.aclose()
+
+
+async def test_an_embedded_pipeline_lands_outputs_on_the_device_it_names(tmp_path: Path) -> None:
+    """``Pipeline(spec, device=...)`` and ``Pipeline.from_yaml(..., device=...)`` take the
+    remote client's option: every output tensor of a real worker lands there (meta: dtype
+    and shape kept; cpu: the values). A device that is none, or one this host lacks, is a
+    ConfigError from the constructor, before anything starts."""
+    stages = {"scale": "tests.pipeline.tensor_stages:Scale"}
+    pixels = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    for device in ("gpu", MISSING):
+        with pytest.raises(ConfigError, match="pass 'cpu'"):
+            Pipeline(spec(stages, []), device=device)
+    async with Pipeline(spec(stages, []), device="meta") as pipe:
+        assert pipe.device == "meta"
+        got = [frame async for frame in pipe.stream(Frame("f", pixels))]
+        assert [f.name for f in got] == [f"f*{k}" for k in FACTORS]
+        assert all(f.pixels.is_meta and f.pixels.shape == (2, 3) for f in got)
+        assert all(f.pixels.dtype == torch.bfloat16 for f in got)
+    config = tmp_path / "scale.yaml"
+    config.write_text(f"stages:\n  scale: {{impl: {stages['scale']!r}}}\nedges: []\n")
+    async with Pipeline.from_yaml(config, device="cpu") as pipe:
+        got = [frame async for frame in pipe.stream(Frame("f", pixels))]
+        assert all(torch.equal(f.pixels, pixels * k) for f, k in zip(got, FACTORS, strict=True))
