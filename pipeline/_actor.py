@@ -842,6 +842,10 @@ class StageActor:
         That input's producer then waits for credit, and if it also makes the missing
         chunk's input (two branches from one stage, met here), it never sends it: the
         handler reads one input to its end before the other. No timeout helps that.
+
+        Or when this process holds shm payloads in place (zero-copy tensors still alive,
+        the last chunk's in a loop variable say): the producer may wait for the room they
+        pin in its arena.
         """
         for edge, inflow in req.inflows.items():
             window = self._inputs_by_edge[edge][1].plan.window
@@ -859,6 +863,22 @@ class StageActor:
                         f"{edge!r}'s window past the stream's length)"
                     ),
                 )
+        held = self._inputs_by_edge[gap.edge][1].held_in_place()
+        if held:
+            return ChunkGap(
+                gap.request_id,
+                gap.edge,
+                gap.seq,
+                gap.timeout,
+                advice=(
+                    f"this process holds {held} payloads got by shm in place (zero-copy "
+                    "tensors still alive pin their extent; a loop variable keeps the last "
+                    "chunk while the next one is awaited), so the producer may be waiting for "
+                    "room in its arena: give the edge a shm `capacity` of two chunks per "
+                    "stream or `copy: true`, or drop the tensors sooner; else raise "
+                    "chunk_timeout if the upstream stage is slow"
+                ),
+            )
         return gap
 
     async def _produce(self, req: _Request, ctx: Context, kwargs: dict[str, Any]) -> None:

@@ -61,7 +61,7 @@ from pipeline._stage import NOT_READY
 from transports._protocol import Descriptor, EdgeContext, TransportReceiver, TransportSender
 from transports._registry import create_transport, resolve_transport
 from transports.auto import AutoPolicy
-from transports.inline import InlineReceiver, InlineSender
+from transports.inline import MAX_INLINE, InlineReceiver, InlineSender
 
 log = structlog.get_logger("stagewire.channel")
 
@@ -329,6 +329,7 @@ class _Run:
         "descriptors",
         "final",
         "first",
+        "nbytes",
         "owner",
         "request_id",
         "sealed",
@@ -342,6 +343,9 @@ class _Run:
         self.first = first
         self.transport = transport
         self.descriptors: list[Descriptor | None] = []
+        #: The bytes of its chunks' payloads: at most MAX_INLINE, so that its envelope fits
+        #: in a data message however its payloads travel.
+        self.nbytes = 0
         self.final = False
         self.sealed = False
         self.credit = False
@@ -561,7 +565,11 @@ class OutputChannel:
             win.next_seq = seq + 1
             self._queue(win, request_id, seq, "", None, True, target.endpoint, 0)
             return True
-        if encoded.device_buffers or win.in_flight >= self._window_bytes:
+        if (
+            encoded.device_buffers
+            or win.in_flight >= self._window_bytes
+            or encoded.nbytes > MAX_INLINE
+        ):
             return False
         inline = self._inline
         if inline is None:
@@ -736,9 +744,11 @@ class OutputChannel:
             or (descriptor is not None and run.transport != name)
             or run.first + len(run.descriptors) != seq
             or len(run.descriptors) >= MAX_RUN
+            or run.nbytes + nbytes > MAX_INLINE
         ):
             run = win.run = _Run(self, request_id, seq, name)
             self._send(endpoint, run)
+        run.nbytes += nbytes
         run.descriptors.append(descriptor)
         run.final = final
         if win.in_flight >= self._window_bytes and not final:
@@ -903,6 +913,12 @@ class InputChannel:
         #: Called with a request's id when its reader has got the last payload to fetch from
         #: a transport on this edge, every chunk having arrived (see :attr:`Inflow.drained`).
         self.on_got_all: Callable[[str], None] | None = None
+
+    def held_in_place(self) -> int:
+        """How many payloads got by shm this process still holds in place: extents pinned
+        by live zero-copy tensors (or not yet released), which the producer cannot reuse."""
+        pinned = getattr(self._receivers.get("shm"), "pinned", None)
+        return int(pinned()) if pinned is not None else 0
 
     def receiver(self, name: str) -> TransportReceiver:
         """The receiving end of transport ``name`` on this edge, opened on first use.

@@ -75,9 +75,9 @@ from pipeline._sockets import (
     new_context,
     set_heartbeats,
 )
-from pipeline._worker import MAX_DATA_MESSAGE
 from transports._liveness import local_pid, pid_alive, pid_namespace
 from transports._registry import AUTO, resolve_transport
+from transports.inline import MAX_DATA_MESSAGE
 
 __all__ = ("Master",)
 

@@ -25,6 +25,7 @@ from pipeline._local_link import LocalLink
 from pipeline._loop import nothing_else_ready
 from pipeline._messages import encode_batch
 from pipeline._security import HANDSHAKE_FAILED, CurveKeys, handshake_failure, secure_client
+from transports.inline import MAX_DATA_MESSAGE
 
 __all__ = (
     "HandshakeJudge",
@@ -42,6 +43,8 @@ log = structlog.get_logger("stagewire.sockets")
 
 #: Envelopes per batch a sender joins into one frame; frames per message a reader accepts.
 MAX_FRAMES = 256
+#: The most bytes a batch's array header takes (see encode_batch).
+_BATCH_HEAD = 5
 #: How many forgotten endpoints an outbox remembers, to drop what is still sent to them.
 MAX_GONE = 4096
 
@@ -284,6 +287,7 @@ class Outbox:
         "_pending",
         "_socks",
         "dropped",
+        "oversize",
     )
 
     def __init__(self, ctx: zmq.Context[Any], keys: CurveKeys | None = None) -> None:
@@ -302,6 +306,8 @@ class Outbox:
         self._gone: OrderedDict[str, None] = OrderedDict()
         #: Envelopes dropped so.
         self.dropped = 0
+        #: Envelopes dropped for being larger than a data message (none are made).
+        self.oversize = 0
 
     def set_local(self, endpoint: str, address: str) -> None:
         """Send to ``endpoint`` over a same-host link to ``address`` from now on."""
@@ -407,7 +413,35 @@ class Outbox:
         for endpoint, queued in pending.items():
             envelopes = [e if isinstance(e, bytes) else e.seal() for e in queued]
             for i in range(0, len(envelopes), MAX_FRAMES):
-                self._transmit(endpoint, encode_batch(envelopes[i : i + MAX_FRAMES]))
+                batch = envelopes[i : i + MAX_FRAMES]
+                frame = encode_batch(batch)
+                if len(frame) <= MAX_DATA_MESSAGE:
+                    self._transmit(endpoint, frame)
+                else:
+                    self._transmit_within_limit(endpoint, batch)
+
+    def _transmit_within_limit(self, endpoint: str, envelopes: list[bytes]) -> None:
+        """Send ``envelopes`` in batches of at most MAX_DATA_MESSAGE bytes, which a receiver
+        takes (a larger one drops its link, and every envelope queued on it). An envelope
+        larger than that alone is dropped, counted in ``oversize`` and logged: the runtime
+        makes none (see MAX_INLINE)."""
+        batch: list[bytes] = []
+        size = _BATCH_HEAD
+        for envelope in envelopes:
+            n = len(envelope)
+            if n + _BATCH_HEAD > MAX_DATA_MESSAGE:
+                self.oversize += 1
+                log.error(
+                    "data_message_too_large", endpoint=endpoint, size=n, limit=MAX_DATA_MESSAGE
+                )
+                continue
+            if size + n > MAX_DATA_MESSAGE:
+                self._transmit(endpoint, encode_batch(batch))
+                batch, size = [], _BATCH_HEAD
+            batch.append(envelope)
+            size += n
+        if batch:
+            self._transmit(endpoint, encode_batch(batch))
 
     def _transmit(self, endpoint: str, frame: bytes) -> None:
         if self._local:

@@ -76,6 +76,14 @@ _DURATION_HINT = "a duration like 30, 1.5s, 500ms, 250us, 2m or 1h"
 MAX_BYTE_SIZE = 1 << 60
 
 
+def format_size(n: int) -> str:
+    """``n`` bytes for people: ``"4 MiB (4194304 bytes)"``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.4g} {unit} ({n} bytes)"
+    return f"{n} bytes"
+
+
 def _capped(size: int, value: object) -> int:
     if size > MAX_BYTE_SIZE:
         raise PydanticCustomError(

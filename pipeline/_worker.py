@@ -86,6 +86,7 @@ from pipeline._sockets import (
 )
 from pipeline._stage import Stage
 from transports._liveness import pid_namespace
+from transports.inline import MAX_DATA_MESSAGE
 
 __all__ = ("EXIT_MASTER_LOST", "EXIT_SETUP_FAILED", "main", "run_worker")
 
@@ -98,8 +99,6 @@ EXIT_SETUP_FAILED = 3
 #: When a worker registering with no answer first says so, and then how often, in seconds.
 WAITING_NOTE_S = (2.0, 30.0)
 EXIT_MASTER_LOST = 4
-#: Largest data message accepted, in bytes.
-MAX_DATA_MESSAGE = 1 << 30
 
 log = structlog.get_logger("stagewire.worker")
 _decode_control = msgspec.msgpack.Decoder(ControlToWorker).decode

@@ -41,6 +41,7 @@ import time
 from collections.abc import Iterable
 
 from pipeline._errors import TransportError
+from pipeline._units import format_size
 from transports._liveness import pid_alive, pid_namespace
 from transports._shm_arena import align_up
 
@@ -60,7 +61,6 @@ __all__ = (
     "Segment",
     "attach_segment",
     "create_segment",
-    "format_size",
     "list_segments",
     "remove_segments_of",
     "segment_exists",
@@ -89,14 +89,6 @@ SLOT_GEN, SLOT_OFFSET, SLOT_LENGTH, SLOT_RELEASED, SLOT_READER = 0, 1, 2, 4, 5
 #: A segment whose header was never finished is left alone for this long if the pid in its
 #: name still runs: its owner may be creating it right now.
 _CREATION_GRACE_S = 60.0
-
-
-def format_size(n: int) -> str:
-    """``n`` bytes for people: ``"4 MiB (4194304 bytes)"``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.4g} {unit} ({n} bytes)"
-    return f"{n} bytes"
 
 
 def _path(name: str) -> str:

@@ -11,6 +11,7 @@ from pipeline._encoded import Encoded, to_host
 from pipeline._errors import TransportError, TransportFull
 from pipeline._keys import ChunkKey
 from pipeline._latency import LatencyRecorder
+from pipeline._units import format_size
 from transports._liveness import pid_alive
 from transports._protocol import (
     EdgeContext,
@@ -36,7 +37,6 @@ from transports._shm_segment import (
     OwnedSegment,
     Segment,
     create_segment,
-    format_size,
 )
 
 __all__ = ("ShmSender",)
@@ -361,6 +361,21 @@ class ShmSender(AsyncResource):
 
     def _full(self, key: ChunkKey, need: int, timeout: float | None) -> TransportError:
         held = sum(size for _, _, size in self._held.values())
+        why = (
+            "The consumer is slow or does not release its descriptors: raise `capacity` or "
+            "release sooner"
+        )
+        got, got_bytes = self._got_unreleased()
+        if got:
+            # Read in place: a tensor the consumer still holds pins its extent until it
+            # dies, as a loop variable holding the last chunk does while the next is awaited.
+            why = (
+                f"{format_size(got_bytes)} of it is in {got} extents the consumer has got "
+                "whose tensors it still holds (zero-copy views pin their extent until they "
+                "die; a loop variable keeps the last chunk while the next one is awaited): "
+                "`capacity` must hold two chunks of each stream read so, or give the edge "
+                "`copy: true`, or drop the tensors sooner"
+            )
         queued = ""
         if self._queued_bytes:
             # Their consumer reads them only once the requests ahead of them end: a faster
@@ -375,10 +390,24 @@ class ShmSender(AsyncResource):
             f"{key}: no room for {format_size(need)} within {timeout:g}s; of the arena's "
             f"{format_size(self._capacity)}, {format_size(held)} is held by {len(self._held)} "
             f"unreleased extents (largest free run {format_size(self._arena.largest_free())}, "
-            f"{len(self._free_slots)} of {self._slot_count} slots free){queued}. The consumer "
-            "is slow or does not release its descriptors: raise `capacity` or release sooner",
+            f"{len(self._free_slots)} of {self._slot_count} slots free){queued}. {why}",
             TransportFull,
         )
+
+    def _got_unreleased(self) -> tuple[int, int]:
+        """How many held extents, and how many bytes, their consumer has begun reading
+        (it marks them as it gets them) but not released."""
+        segment = self._segment
+        if segment is None:
+            return 0, 0
+        words = segment.words
+        count = nbytes = 0
+        for slot, (generation, _, size) in self._held.items():
+            reader = words[Segment.slot_base(slot) + SLOT_READER]
+            if reader & LOW32 and reader >> 32 == generation & LOW32:
+                count += 1
+                nbytes += size
+        return count, nbytes
 
     def occupancy(self) -> ShmOccupancy:
         """What the arena holds now, after taking back every extent released so far or

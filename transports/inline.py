@@ -6,13 +6,14 @@ descriptor can be read any number of times. ``auto`` picks it for small payloads
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Final, TypeVar
 
 import msgspec
 
 from pipeline._encoded import DECODE_ERRORS, Encoded
-from pipeline._errors import TransportError
+from pipeline._errors import TransportError, TransportFull
 from pipeline._keys import ChunkKey
+from pipeline._units import format_size
 from transports._protocol import (
     Descriptor,
     EdgeContext,
@@ -24,7 +25,22 @@ from transports._resource import AsyncResource
 if TYPE_CHECKING:
     from pipeline._codec import PayloadCodec
 
-__all__ = ("InlineDescriptor", "InlineReceiver", "InlineSender", "InlineTransport")
+__all__ = (
+    "MAX_DATA_MESSAGE",
+    "MAX_INLINE",
+    "InlineDescriptor",
+    "InlineReceiver",
+    "InlineSender",
+    "InlineTransport",
+)
+
+#: The largest data message a replica or the master takes: one batch of envelopes, on a
+#: same-host link or a ZMQ socket. A larger one cannot come from a peer of this version, so
+#: its link is dropped as garbage; the runtime never sends one.
+MAX_DATA_MESSAGE: Final = 1 << 30
+#: The largest payload an inline envelope carries: what leaves its envelope room within
+#: MAX_DATA_MESSAGE.
+MAX_INLINE: Final = MAX_DATA_MESSAGE - (1 << 20)
 
 T = TypeVar("T")
 
@@ -82,6 +98,7 @@ class InlineSender(_InlineEnd):
         """Wrap ``encoded`` in a descriptor; never waits.
 
         Raises:
+            TransportFull: the payload is larger than :data:`MAX_INLINE`.
             TransportError: the sender is closed.
         """
         return self.wrap(encoded)
@@ -90,10 +107,18 @@ class InlineSender(_InlineEnd):
         """What :meth:`put` returns, without a coroutine: the runtime sends small chunks so.
 
         Raises:
+            TransportFull: the payload is larger than :data:`MAX_INLINE` (the edge's
+                fallback, if any, takes it).
             TransportError: the sender is closed.
         """
         if self._closed:
             raise self._closed_error()
+        if encoded.nbytes > MAX_INLINE:
+            raise TransportFull(
+                f"edge {self._edge.edge!r}: a payload of {format_size(encoded.nbytes)} is over "
+                f"the {format_size(MAX_INLINE)} an inline envelope carries: send such payloads "
+                "by shm (with a capacity above their size) or network, or as smaller chunks"
+            )
         self.chunks += 1
         self.bytes += encoded.nbytes
         buffers = encoded.buffers

@@ -335,3 +335,14 @@ async def test_an_edge_is_drained_once_every_payload_is_got_its_end_unread(
     finally:
         await wire.out.aclose()
         await wire.inp.aclose()
+
+
+async def test_a_run_never_outgrows_a_data_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks queued for one batch join one run (one envelope) only while their payloads
+    stay within MAX_INLINE: a run of large inline chunks made one envelope larger than a
+    receiver takes, which dropped the link with every envelope queued on it."""
+    monkeypatch.setattr(channel_module, "MAX_INLINE", 10_000)
+    wire = _Wire(_plan(window=64, window_bytes=1 << 20))
+    await wire.produce([4000, 4000, 4000])
+    assert [len(run.descriptors) for run in wire.runs] == [2, 2]  # the end joins the second
+    assert await wire.consume() == 3

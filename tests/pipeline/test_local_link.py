@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from pipeline import Pipeline
+from pipeline import _sockets as sockets_module
 from pipeline._local_link import LocalLink, LocalListener
 from pipeline._sockets import Outbox, new_context
 from stages.text import Text
@@ -211,6 +212,37 @@ async def test_an_outbox_drops_what_is_sent_to_a_forgotten_endpoint() -> None:
         outbox.send(endpoint, b"\xc0")
         outbox.flush()
         assert pull.poll(5000) and pull.recv() == b"\x91\xc0"
+    finally:
+        outbox.close()
+        pull.close()
+        ctx.term()
+
+
+async def test_an_outbox_never_sends_a_message_larger_than_a_receiver_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch larger than MAX_DATA_MESSAGE (a receiver drops its link with all it queued)
+    leaves as several within it; an envelope larger than that alone is dropped, counted
+    and logged."""
+    monkeypatch.setattr(sockets_module, "MAX_DATA_MESSAGE", 1000)
+    ctx = new_context()
+    import zmq
+
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    outbox = Outbox(ctx)
+    small = [bytes([0xC4, 200]) + bytes([k]) * 200 for k in range(5)]  # bin 8 of 200 bytes
+    try:
+        for envelope in (*small[:3], b"\xc5" + bytes(2000), *small[3:]):
+            outbox.send(endpoint, envelope)
+        outbox.flush()
+        frames = []
+        while len(frames) < 2 and pull.poll(5000):
+            frames.append(pull.recv())
+        assert frames == [b"\x94" + b"".join(small[:4]), b"\x91" + small[4]]
+        assert outbox.oversize == 1
+        assert all(len(f) <= 1000 for f in frames) and not pull.poll(100)
     finally:
         outbox.close()
         pull.close()

@@ -20,17 +20,20 @@ import pytest
 import pytest_asyncio
 
 from pipeline import (
+    ChunkGap,
     ConfigError,
     Pipeline,
     PipelineError,
     PipelineSpec,
     StageError,
     StageUnavailable,
+    TransportError,
 )
 from stages.text import Text
 from tests.pipeline.conftest import settled, wait_for
 from tests.procs import kill_all, start_stagewire
 from transports._shm_segment import free_space
+from transports.inline import MAX_INLINE
 from transports.shm import list_segments
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -356,3 +359,52 @@ async def test_auto_falls_back_when_shm_cannot_take_a_payload() -> None:
     (out,) = [o for r in stats["replicas"] for o in r["outputs"] if o["edge"] == "source->sink"]
     assert out["used"] == {"inline": 10 * CHUNKS}, out["used"]
     assert out["fallbacks"] == 10 * CHUNKS // 2
+
+
+async def test_a_payload_no_data_message_can_carry_fails_its_request_saying_so() -> None:
+    """On auto, a payload larger than the shm arena and than an inline envelope carries (a
+    data message takes at most 1 GiB) fails its request at once with a TransportError
+    naming the sizes and what to send it by. It used to go inline into a message larger
+    than the consumer takes, whose link then dropped it with every envelope queued on it,
+    and the request hung. The edge serves on."""
+    sizes = [512, MAX_INLINE + 1]
+    spec = _spec(
+        transport={"kind": "auto", "options": {"shm": {"capacity": "64KiB"}}},
+        sizes=sizes,
+        request_timeout="30s",
+    )
+    async with Pipeline(spec) as pipe:
+        with pytest.raises(TransportError, match="an inline envelope carries") as info:
+            await pipe.submit(Text("2"))
+        assert "by shm" in str(info.value) and "network" in str(info.value), info.value
+        assert await pipe.submit(Text("1")) == _expected(1, sizes)
+
+
+@pytest.mark.parametrize(
+    ("tells", "error", "timeouts"),
+    [
+        ("consumer", ChunkGap, ({"full_timeout": "30s"}, "2s")),
+        ("producer", TransportError, ({"full_timeout": "1s"}, "30s")),
+    ],
+)
+async def test_a_stream_read_in_place_past_half_the_arena_fails_saying_what_pins_it(
+    tells: str, error: type[Exception], timeouts: tuple[dict[str, str], str]
+) -> None:
+    """Chunks of 3 MiB through a 4 MiB shm arena, read by a plain ``async for`` whose loop
+    variable keeps the last chunk's zero-copy array while the next is awaited: the next
+    finds no room, and the request fails, by the consumer's ChunkGap or the producer's
+    TransportFull, whichever end's timeout is shorter. Either says what pins the arena
+    and what to do (they blamed a slow upstream, or descriptors left unreleased); with
+    ``copy: true`` the same stream passes."""
+    sizes = [3 * 2**20]
+    put, chunk_timeout = timeouts
+    for copy in (False, True):
+        shm = {"kind": "shm", "options": {"capacity": "4MiB", "copy": copy}, **put}
+        async with Pipeline(_spec(transport=shm, sizes=sizes, chunk_timeout=chunk_timeout)) as p:
+            if copy:
+                assert await p.submit(Text("3")) == _expected(3, sizes)
+                continue
+            with pytest.raises(error) as info:
+                await p.submit(Text("3"))
+            message = str(info.value)
+            assert "copy: true" in message and "two chunks" in message, (tells, message)
