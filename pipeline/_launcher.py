@@ -16,11 +16,12 @@ import select
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import structlog
 
 from pipeline._config import PipelineSpec
+from pipeline._leftovers import remove_leftovers_of
 from pipeline._security import KEYS_ENV, CurveKeys
 from transports._liveness import pid_alive
 
@@ -157,7 +158,7 @@ class LocalLauncher:
             return
         # A worker that exited, even by kill -9, owns no more shared memory; readers that
         # still map a segment keep their mapping until they drop it.
-        _remove_shared_memory([proc.pid])
+        remove_leftovers_of([proc.pid])
         log.warning("worker_exited", stage=stage, replica=replica, pid=proc.pid, code=code)
         self._on_exit(stage, replica, code, proc.pid)
         key = (stage, replica)
@@ -214,7 +215,7 @@ class LocalLauncher:
             if not any(p.returncode is None for p in self.procs.values()):
                 break
             grace = 0.0
-        _remove_shared_memory(self.started)
+        remove_leftovers_of(self.started)
 
     def _forget_pidfd(self, pid: int) -> None:
         fd = self._pidfds.pop(pid, None)
@@ -271,7 +272,7 @@ class LocalLauncher:
         for fd, pid in victims.items():
             if fd not in waiting or loop_closed:
                 self._forget_pidfd(pid)
-        _remove_shared_memory(pid for pid in self.started if not pid_alive(pid))
+        remove_leftovers_of(pid for pid in self.started if not pid_alive(pid))
 
     async def _stop_running(self, grace: float) -> None:
         """Wait ``grace`` seconds for the running workers to exit, then terminate, then kill."""
@@ -324,18 +325,3 @@ def _mark_killed(proc: asyncio.subprocess.Process) -> None:
     if transport is not None:
         with contextlib.suppress(Exception):
             transport.close()  # polls the Popen, which now has its code: no wait
-
-
-def _remove_shared_memory(pids: Iterable[int]) -> None:
-    """Unlink the shm segments owned by ``pids``, which have all exited, and the files
-    that CUDA IPC left in /dev/shm for them."""
-    from transports._cuda_files import remove_cuda_files_of
-    from transports.shm import remove_segments_of
-
-    pids = list(pids)
-    removed = remove_segments_of(pids)
-    if removed:
-        log.info("shm_segments_removed", count=len(removed))
-    cuda = remove_cuda_files_of(pids)
-    if cuda:
-        log.info("cuda_ipc_files_removed", count=len(cuda))

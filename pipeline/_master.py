@@ -32,6 +32,7 @@ from pipeline._errors import (
 )
 from pipeline._host import host_identity
 from pipeline._keys import CLIENT
+from pipeline._leftovers import sweep_after_deaths
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._logging import count_dropped
 from pipeline._messages import (
@@ -563,8 +564,11 @@ class Master:
                 self._answered(token, (stage, replica))
         doubt = self.orch.replica_lost(stage, replica, why)
         self.orch.readers_gone({rep.endpoint})
-        # The others drop their links to it and what their transports hold for it.
+        # The others drop their links to it and what their transports hold for it; those
+        # on its host remove what it left in /dev/shm, as does this process on its own.
         self._broadcast_peers()
+        if rep.host == self.host:
+            sweep_after_deaths([local_pid(rep.pid, rep.pidns)])
         log.warning(
             "replica_dead",
             stage=stage,

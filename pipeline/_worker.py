@@ -40,6 +40,7 @@ from pipeline._host import (
     split_endpoint,
     tcp_endpoint,
 )
+from pipeline._leftovers import sweep_after_deaths
 from pipeline._local_link import LocalListener, local_links_enabled
 from pipeline._logging import configure_logging, count_dropped
 from pipeline._messages import (
@@ -85,7 +86,7 @@ from pipeline._sockets import (
     new_context,
 )
 from pipeline._stage import Stage
-from transports._liveness import pid_namespace
+from transports._liveness import local_pid, pid_namespace
 from transports.inline import MAX_DATA_MESSAGE
 
 __all__ = ("EXIT_MASTER_LOST", "EXIT_SETUP_FAILED", "main", "run_worker")
@@ -217,11 +218,12 @@ class _Worker:
             case Peers(peers=peers):
                 # Kept even while the stage is still in setup: the actor is built from the
                 # latest table, not the one in the (older) Assignment.
-                self.peers = peers
+                old, self.peers = self.peers, peers
                 departed = self._forget_departed(peers)
                 if actor is not None:
                     actor.set_peers(peers)
                     actor.readers_gone(departed)
+                self._sweep_after(old, departed)
             case Assignment() if self.assignment is not None and not self.assignment.done():
                 self._handshake.stop()
                 self.assignment.set_result(msg)
@@ -263,6 +265,18 @@ class _Worker:
             for p in replicas.values():
                 self._route(p)
         return departed
+
+    def _sweep_after(self, old: PeerTable | None, departed: set[str]) -> None:
+        """Remove what the replicas of this host that left the table left in /dev/shm: a
+        worker killed with ``kill -9`` cannot, and no launcher may be there to."""
+        here = [
+            local_pid(p.pid, p.pidns)
+            for replicas in (old or {}).values()
+            for p in replicas.values()
+            if p.endpoint in departed and p.host == self.host
+        ]
+        if here:
+            sweep_after_deaths(here)
 
     def _route(self, peer: Peer) -> None:
         """Send to a peer on this host over a same-host link, when both ends have one."""

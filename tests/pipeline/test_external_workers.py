@@ -23,6 +23,7 @@ import pytest
 from pipeline._host import address_toward, tcp_endpoint
 from tests.pipeline.conftest import wait_for, workers_announced
 from tests.procs import alive, free_port, kill_all, start_stagewire
+from transports._shm_segment import PREFIX, list_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -354,20 +355,26 @@ def _submitting(master: str, value: str, err: Path | None = None) -> subprocess.
         )
 
 
-async def _serving(config: Path, tmp_path: Path) -> tuple[str, list[subprocess.Popen[bytes]]]:
-    """A ``stagewire master`` on ``config`` and the workers it names, once it serves."""
+async def _serving(
+    config: Path, tmp_path: Path, *, master_host: str | None = None, host: str | None = None
+) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """A ``stagewire master`` on ``config`` and the workers it names, once it serves; as if
+    on ``master_host`` and ``host`` (see :func:`_start`) when given."""
     port = free_port()
     master = f"tcp://127.0.0.1:{port}"
     err = tmp_path / "master.err"
-    procs = [_start("master", str(config), "--bind", master, err=err)]
+    procs = [_start("master", str(config), "--bind", master, err=err, host=master_host)]
 
     await workers_announced(err)
     found = re.findall(r"stagewire worker (--master \S+ --stage (\S+) --replica \d+)",
                        err.read_text())  # fmt: skip
     for command, stage in found:
         procs.append(
-            _start("worker", *command.split(), "--headless", err=tmp_path / f"{stage}.err")
-        )
+            _start(
+                "worker", *command.split(), "--headless", err=tmp_path / f"{stage}.err",
+                host=host,
+            )
+        )  # fmt: skip
 
     async def serving() -> bool:
         return "serving " in err.read_text(errors="replace")
@@ -485,5 +492,33 @@ async def test_a_client_waiting_when_the_master_stops_is_told(tmp_path: Path) ->
         text = err.read_text()
         assert re.search(r"the master stopped while the request was in flight", text), text
         assert await asyncio.to_thread(procs[0].wait, 60) == 0
+    finally:
+        kill_all(procs)
+
+
+@pytest.mark.parametrize("master", ["on the workers' host", "on another host"])
+async def test_a_worker_killed_9_leaves_no_segment_while_the_rest_serve_on(
+    tmp_path: Path, master: str
+) -> None:
+    """A worker started by hand has no launcher to remove its shm segment when it is killed
+    with ``kill -9``: the segment stayed in /dev/shm for as long as the deployment ran. Now
+    the processes of its host that outlive it remove it as the master declares it dead (its
+    consumers there; the master too, when it shares the host), and the rest serve on."""
+    config = tmp_path / "shm.yaml"
+    edge = "{from: split, to: upper}"
+    demo = (ROOT / "configs" / "demo.yaml").read_text()
+    config.write_text(demo.replace(edge, edge[:-1] + ", transport: shm}"))
+    master_host = "master-host" if master == "on another host" else "worker-host"
+    _, procs = await _serving(config, tmp_path, master_host=master_host, host="worker-host")
+    (split,) = [p for p in procs[1:] if "split" in p.args]  # type: ignore[operator]
+    try:
+
+        def owned() -> list[str]:
+            return [n for n in list_segments() if n.startswith(f"{PREFIX}{split.pid}-")]
+
+        assert owned(), "the shm edge's producer reserves its arena as it starts"
+        split.kill()
+        await wait_for(lambda: not owned(), 30)
+        assert all(p.poll() is None for p in procs if p is not split)
     finally:
         kill_all(procs)
