@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import os
 import re
 import signal
 import sys
@@ -68,7 +69,14 @@ from pipeline._security import (
 )
 from pipeline._serve import ClientServer
 
-__all__ = ("EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_START", "main")
+__all__ = (
+    "EXIT_CONFIG",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_START",
+    "EXIT_TERMINATED",
+    "main",
+)
 
 log = structlog.get_logger("stagewire.cli")
 
@@ -76,6 +84,7 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_START = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 #: The most requests (or requests in flight) ``run`` takes: more than any batch needs, and
 #: within what ``itertools.islice`` accepts.
@@ -299,8 +308,12 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         await pipe.aclose()
     outputs.sort(key=lambda o: o[0])
     shown = outputs if args.print_outputs else outputs[: min(3, len(outputs))]
-    for i, out in shown:
-        sys.stdout.write(f"{i}: {to_json(out).decode()}\n")
+    try:
+        for i, out in shown:
+            sys.stdout.write(f"{i}: {to_json(out).decode()}\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()  # its reader stopped (``| head``): the figures still go to stderr
     if len(shown) < len(outputs):
         console.print(f"({len(outputs) - len(shown)} more outputs; --print-outputs shows all)")
     spec = pipe.spec
@@ -725,7 +738,11 @@ def _report_error(console: Console, exc: BaseException, code: int, *, debug: boo
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``stagewire`` command; returns the exit code."""
+    """Run the ``stagewire`` command; returns the exit code.
+
+    SIGTERM (what service managers stop a process with) takes Ctrl-C's path: the pipeline
+    shuts down in order, workers included, and the command exits 143 saying so.
+    """
     argv = sys.argv[1:] if argv is None else argv
     debug = argv[:1] == ["--debug"]
     command = argv[1:] if debug else argv
@@ -733,6 +750,47 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline._worker import main as worker_main
 
         return worker_main([*command[1:], *(["--debug"] if debug else [])])
+    terminated = _on_sigterm_interrupt()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # A Ctrl-C (or SIGTERM) before the command's own handling began, or after it ended.
+        return _interrupted(terminated)
+    except BrokenPipeError:
+        # Whoever read stdout stopped (``| head``): nothing more is written there.
+        _quiet_stdout()
+        return EXIT_FAILED
+
+
+def _on_sigterm_interrupt() -> list[bool]:
+    """Make SIGTERM interrupt as SIGINT does; the list returned holds True once one came."""
+    came = [False]
+
+    def on_term(signum: int, frame: object) -> None:
+        came[0] = True
+        signal.raise_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, on_term)
+    return came
+
+
+def _interrupted(terminated: list[bool]) -> int:
+    if terminated[0]:
+        sys.stderr.write("terminated\n")
+        return EXIT_TERMINATED
+    sys.stderr.write("interrupted\n")
+    return EXIT_INTERRUPTED
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit does not fail again."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("run", "master"):
         # Off while the stages' modules import and the workers start (see _collector).
@@ -758,6 +816,3 @@ def main(argv: list[str] | None = None) -> int:
         return _report_error(console, exc, exc.code, debug=args.debug)
     except PayloadError as exc:
         return _report_error(console, exc, EXIT_CONFIG, debug=args.debug)
-    except KeyboardInterrupt:
-        console.print("interrupted")
-        return EXIT_INTERRUPTED

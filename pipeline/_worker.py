@@ -100,6 +100,8 @@ EXIT_SETUP_FAILED = 3
 #: When a worker registering with no answer first says so, and then how often, in seconds.
 WAITING_NOTE_S = (2.0, 30.0)
 EXIT_MASTER_LOST = 4
+#: A worker started by hand and stopped by Ctrl-C.
+EXIT_INTERRUPTED = 130
 
 log = structlog.get_logger("stagewire.worker")
 _decode_control = msgspec.msgpack.Decoder(ControlToWorker).decode
@@ -178,6 +180,8 @@ class _Worker:
         self.actor: StageActor | None = None
         self.pulse: Pulse | None = None
         self.stop = asyncio.Event()
+        #: Stopped by Ctrl-C (a worker started by hand).
+        self.interrupted = False
         self.last_seen = time.monotonic()
         self.garbage = 0
         self.control_reader = SocketReader(self.control, self._on_control, self._on_error)
@@ -405,7 +409,12 @@ class _Worker:
         # From here a SIGTERM (from the launcher, or at the parent's death) ends the worker in
         # order. Until now it kept its default action, so that a setup that hangs, or holds
         # the loop, cannot outlive the master.
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.stop.set)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            # Started by hand: Ctrl-C stops it in order too (one a launcher started ignores
+            # it, and is stopped by its master).
+            loop.add_signal_handler(signal.SIGINT, self._interrupt)
         # Start-up's objects (torch, the stage, its weights) are frozen out of every later
         # collection before the first request can arrive.
         _collector.settle()
@@ -415,7 +424,11 @@ class _Worker:
         code = await self._watch_master(defaults.heartbeat_interval, 2 * defaults.heartbeat_timeout)
         await actor.aclose()
         await self._teardown(instance)
-        return code
+        return EXIT_INTERRUPTED if self.interrupted else code
+
+    def _interrupt(self) -> None:
+        self.interrupted = True
+        self.stop.set()
 
     def _setup_failed(self, exc: Exception) -> int:
         """Tell the master why this replica cannot serve; the exit code that says so."""
@@ -489,7 +502,9 @@ async def run_worker(
     try:
         return await worker.serve(connect_timeout)
     finally:
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        loop.remove_signal_handler(signal.SIGTERM)
+        loop.remove_signal_handler(signal.SIGINT)  # if it was added (by hand: see _serve)
         worker.close()
 
 
@@ -560,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = master_endpoint_problem(args.master)
     if problem is not None:
         p.error(f"--master {args.master!r} {problem}")
+    if args.replica < 0:
+        p.error(f"--replica must be 0 or more, not {args.replica}")
     if not args.connect_timeout > 0:  # NaN included: a deadline never reached
         p.error(
             f"--connect-timeout must be a positive number of seconds (inf: wait for ever), "
@@ -609,16 +626,24 @@ def main(argv: list[str] | None = None) -> int:
         connect_timeout=args.connect_timeout,
         debug=args.debug,
     )
-    profile_dir = os.environ.get("STAGEWIRE_PROFILE_DIR")
-    if not profile_dir:
-        return asyncio.run(work)
-    # A developer's view of where a worker's time goes: one cProfile dump per replica.
-    import cProfile
+    try:
+        profile_dir = os.environ.get("STAGEWIRE_PROFILE_DIR")
+        if not profile_dir:
+            return asyncio.run(work)
+        # A developer's view of where a worker's time goes: one cProfile dump per replica.
+        import cProfile
 
-    with cProfile.Profile() as prof:
-        code = asyncio.run(work)
-    prof.dump_stats(os.path.join(profile_dir, f"{args.stage}-{args.replica}-{os.getpid()}.prof"))
-    return code
+        with cProfile.Profile() as prof:
+            code = asyncio.run(work)
+        where = os.path.join(profile_dir, f"{args.stage}-{args.replica}-{os.getpid()}.prof")
+        prof.dump_stats(where)
+        return code
+    except KeyboardInterrupt:
+        # Ctrl-C before it served (it then stops in order, see _Worker._serve).
+        sys.stderr.write("interrupted\n")
+        return EXIT_INTERRUPTED
+    except zmq.ZMQError as exc:
+        p.error(f"--bind-host {args.bind_host!r} cannot be bound here ({exc.strerror})")
 
 
 if __name__ == "__main__":

@@ -189,6 +189,11 @@ def test_bad_arguments_are_one_line_errors_not_tracebacks(tmp_path: Path) -> Non
         (("run", "configs/demo.yaml", "--input-file", str(binary)), "not UTF-8 text"),
         (("worker", "--master", "not-an-endpoint", "--stage", "split"),
          "is not a control endpoint"),
+        (("worker", "--master", "tcp://127.0.0.1:9", "--stage", "split", "--replica", "-1"),
+         "--replica must be 0 or more"),
+        # An address of no interface here (TEST-NET-1): the bind fails, nothing is sent.
+        (("worker", "--master", "tcp://127.0.0.1:9", "--stage", "split",
+          "--bind-host", "192.0.2.1"), "--bind-host '192.0.2.1' cannot be bound here"),
     ]  # fmt: skip
     for args, expected in cases:
         done = _run(*args, timeout=60)
@@ -378,3 +383,52 @@ def test_run_writes_progress_lines_where_no_bar_shows(tmp_path: Path) -> None:
     for bad in ("0", "nan", "inf", "soon"):
         refused = _run("run", str(cfg), "--input", '{"value": "a"}', "--progress-every", bad)
         assert refused.returncode == 2 and "--progress-every" in refused.stderr, refused.stderr
+
+
+def test_a_ctrl_c_while_the_command_loads_is_one_line() -> None:
+    """``import pipeline`` loads nothing heavy, so the ``stagewire`` entry point is running
+    before its modules (pydantic, ZMQ, the codec) load, and a Ctrl-C meanwhile prints one
+    line and exits 130: it printed a KeyboardInterrupt traceback, as in the first 0.3 s of
+    every command. The interrupt is delivered as the CLI module starts to import."""
+    script = (
+        "import sys\n"
+        "import pipeline\n"
+        "heavy = [m for m in ('pipeline._api', 'pydantic', 'zmq') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'pipeline._cli':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "from pipeline.__main__ import run\n"
+        "sys.exit(run())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "interrupted\n", done.stderr
+
+
+def test_a_reader_that_stops_early_ends_the_outputs_quietly(tmp_path: Path) -> None:
+    """``stagewire run ... --print-outputs | head -1``: once the reader has gone, the outputs
+    stop without a BrokenPipeError traceback, the figures still go to stderr, and the exit
+    status is the run's own (it was 1, after a traceback and no figures)."""
+    with (tmp_path / "err").open("wb") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "run", "configs/demo.yaml", "--input-file",
+             "configs/demo-inputs.jsonl", "--requests", "3000", "--print-outputs"],
+            stdout=subprocess.PIPE, stderr=err_file, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().startswith(b"0: ")
+        proc.stdout.close()
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = (tmp_path / "err").read_text()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert "3000/3000 requests ok" in err, err

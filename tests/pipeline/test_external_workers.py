@@ -522,3 +522,35 @@ async def test_a_worker_killed_9_leaves_no_segment_while_the_rest_serve_on(
         assert all(p.poll() is None for p in procs if p is not split)
     finally:
         kill_all(procs)
+
+
+@pytest.mark.parametrize("moment", ["waiting for its master", "serving"])
+async def test_ctrl_c_stops_a_worker_started_by_hand_with_one_line(
+    tmp_path: Path, moment: str
+) -> None:
+    """Ctrl-C to a worker started by hand, still waiting for its master or serving one,
+    ends it with one line and exit 130 (serving, in order: the master sees it leave). It
+    printed a KeyboardInterrupt traceback either way."""
+    if moment == "serving":
+        config = tmp_path / "echo.yaml"
+        config.write_text('stages:\n  echo: {impl: "tests.pipeline.sample_stages:Echo"}\n')
+        _, procs = await _serving(config, tmp_path)
+        worker, err = procs[1], tmp_path / "echo.err"
+    else:
+        err = tmp_path / "worker.err"
+        worker = _start("worker", "--master", f"tcp://127.0.0.1:{free_port()}", "--stage",
+                        "upper", "--headless", err=err)  # fmt: skip
+        procs = [worker]
+        await wait_for(lambda: "waiting_for_master" in err.read_text(), 30)
+    try:
+        worker.send_signal(signal.SIGINT)
+        assert await asyncio.to_thread(worker.wait, 30) == 130
+        text = err.read_text()
+        assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+        if moment == "serving":
+            master_log = tmp_path / "master.err"
+            await wait_for(lambda: "replica_dead" in master_log.read_text(), 30)
+        else:
+            assert text.rstrip().endswith("interrupted"), text
+    finally:
+        kill_all(procs)

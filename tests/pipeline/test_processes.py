@@ -628,8 +628,18 @@ async def _workers_of(proc: subprocess.Popen[bytes], count: int) -> list[int]:
     return children(proc.pid)
 
 
-async def test_ctrl_c_stops_run_and_every_worker(tmp_path: Path) -> None:
-    """SIGINT to the run's process group exits 130 and leaves no worker behind."""
+@pytest.mark.parametrize(
+    ("sig", "code", "said"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["ctrl-c", "sigterm"],
+)
+async def test_ctrl_c_stops_run_and_every_worker(
+    tmp_path: Path, sig: signal.Signals, code: int, said: str
+) -> None:
+    """SIGINT to the run's process group exits 130 and leaves no worker behind; so does
+    SIGTERM to the run's process alone (as a service manager stops it), exiting 143. (It
+    used to kill the run outright, leaving its workers to the kernel's parent-death signal
+    and, now and then, a worker's shm segment in /dev/shm.)"""
     cfg = _write_config(tmp_path)
     proc = _stagewire(
         tmp_path, "run", str(cfg), "--input", '{"value": "sleep 5"}', "--requests", "50"
@@ -641,9 +651,14 @@ async def test_ctrl_c_stops_run_and_every_worker(tmp_path: Path) -> None:
             return "run_started" in (tmp_path / "err").read_text()
 
         await wait_for(running, timeout=30)  # Ctrl-C lands mid-run, not during start-up
-        os.killpg(proc.pid, signal.SIGINT)
-        code = await asyncio.to_thread(proc.wait, 30)
-        assert code == 130, (tmp_path / "err").read_text()
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        got = await asyncio.to_thread(proc.wait, 30)
+        err = (tmp_path / "err").read_text()
+        assert got == code, err
+        assert err.rstrip().endswith(said) and "Traceback" not in err, err
         await _gone(workers)
     finally:
         if proc.poll() is None:
