@@ -8,10 +8,12 @@ consumer's input type. Every problem is a :class:`ConfigError` naming the stage 
 from __future__ import annotations
 
 import collections.abc
+import difflib
 import importlib
 import inspect
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +125,8 @@ def load_stage_class(impl: str, *, stage: str = "?") -> type[Stage]:
         raise ConfigError(f"impl {impl!r} must be 'module:Class'", path=path)
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
+    # A module that calls sys.exit() as it imports would end the command without a word.
+    except (Exception, SystemExit) as exc:
         raise ConfigError(
             f"cannot import {module_name!r}: {type(exc).__name__}: {exc}", path=path
         ) from exc
@@ -232,14 +235,16 @@ def _validate_params(spec: StageSpec, cls: type[Stage], stage: str) -> Any:
         return None
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         raise ConfigError(f"{cls.__name__}.Params must be a pydantic model", path=f"stages.{stage}")
+    _refuse_unknown_params(spec.params, model, cls.__name__, stage)
     try:
         return model.model_validate(spec.params)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
         more = exc.error_count() - 1
+        got = f", got {first['input']!r}" if first["type"] != "missing" else ""
         raise ConfigError(
-            first["msg"] + (f" (and {more} more)" if more else ""),
+            first["msg"] + got + (f" (and {more} more)" if more else ""),
             path=f"stages.{stage}.params" + (f".{loc}" if loc else ""),
         ) from exc
     # The stage's own validators may raise anything.
@@ -248,6 +253,37 @@ def _validate_params(spec: StageSpec, cls: type[Stage], stage: str) -> Any:
             f"{cls.__name__}.Params raised {type(exc).__name__} validating the params: {exc}",
             path=f"stages.{stage}.params",
         ) from exc
+
+
+def _refuse_unknown_params(
+    params: Mapping[str, Any], model: type[BaseModel], cls: str, stage: str
+) -> None:
+    """A param the stage's model has no field for is a typo: pydantic ignores it unless
+    the model says ``extra="forbid"``, so a misspelt param silently kept its default. Only
+    a model that names its ``extra`` policy itself (``allow``, ``ignore``) keeps it.
+
+    Raises:
+        ConfigError: naming the first unknown param, and the closest known one.
+    """
+    if model.model_config.get("extra") is not None:
+        return
+    known: set[str] = set()
+    for name, info in model.model_fields.items():
+        known.add(name)
+        for alias in (info.alias, info.validation_alias):
+            if isinstance(alias, str):
+                known.add(alias)
+    unknown = [key for key in params if key not in known]
+    if not unknown:
+        return
+    key = unknown[0]
+    close = difflib.get_close_matches(str(key), known, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(sorted(known))}"
+    if not known:
+        hint = "it takes none"
+    raise ConfigError(
+        f"{cls}.Params has no param {key!r}: {hint}", path=f"stages.{stage}.params.{key}"
+    )
 
 
 def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool) -> EdgePlan:

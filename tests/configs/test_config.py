@@ -541,9 +541,16 @@ def test_loader_is_safe() -> None:
     [
         ("impl: 'stages.text:Nope'", "p.yaml:4: stages.b.impl: module 'stages.text' has no"),
         ("impl: 'stages.text:Upper'\n    params: {repeat: 99}", "p.yaml:5: stages.b.params"),
+        # A misspelt param kept its default silently: pydantic ignores unknown keys.
+        ("impl: 'stages.text:Upper'\n    params: {repet: 2}",
+         "p.yaml:5: stages.b.params.repet: Upper.Params has no param 'repet': did you mean "
+         "'repeat'?"),
+        ("impl: 'tests.configs.exiting_stage:Exits'",
+         "p.yaml:4: stages.b.impl: cannot import 'tests.configs.exiting_stage': SystemExit: 5"),
     ],
-    ids=["impl-without-the-class", "params-that-do-not-validate"],
-)
+    ids=["impl-without-the-class", "params-that-do-not-validate", "a-misspelt-param",
+         "a-module-that-exits-as-it-imports"],
+)  # fmt: skip
 def test_errors_found_building_the_plan_name_their_line(
     tmp_path: Path, stage: str, expected: str
 ) -> None:
