@@ -28,11 +28,16 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
-# Encoded is not re-exported publicly yet, so a plug-in reaches into the private module.
-from pipeline._encoded import Encoded
-from pipeline._errors import TransportError
-from pipeline._keys import ChunkKey
-from transports import Descriptor, EdgeContext, TransportCapabilities, TransportStatistics
+# Only public names, as a third party would import them: the errors and keys from
+# ``pipeline``, the payload and the protocol's types from ``transports``.
+from pipeline import ChunkKey, TransportError
+from transports import (
+    Descriptor,
+    EdgeContext,
+    Encoded,
+    TransportCapabilities,
+    TransportStatistics,
+)
 
 __all__ = ("EchoDescriptor", "EchoReceiver", "EchoSender", "EchoTransport")
 

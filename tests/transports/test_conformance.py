@@ -16,14 +16,13 @@ import pytest
 
 import pipeline
 import transports._registry as registry
-from pipeline import ConfigError, TransportError
-from pipeline._encoded import Encoded
-from pipeline._keys import ChunkKey
-from pipeline.testing import TransportConformance
+from pipeline import ChunkKey, ConfigError, TransportError
+from pipeline.testing import TransportConformance, TransportRecipe
 from stages.text import Text
 from tests.transports.plugin_transport import EchoTransport
 from transports import (
     EdgeContext,
+    Encoded,
     Transport,
     create_transport,
     resolve_transport,
@@ -50,9 +49,15 @@ class TestPlugin(TransportConformance):
     """A plug-in transport named by import path passes the same suite."""
 
     @pytest.fixture
-    def transport(self, tmp_path: Path) -> Transport:
-        """The echo transport with room for a round-trip payload and little more."""
-        return create_transport(PLUGIN, {"directory": str(tmp_path), "capacity": 2 * 2**20})
+    def transport_recipe(self, tmp_path: Path) -> TransportRecipe:
+        """The echo transport by import path, with room for a round-trip payload and little
+        more; named outright, since its ``directory`` option is kept as ``root``."""
+        return TransportRecipe(PLUGIN, {"directory": str(tmp_path), "capacity": 2 * 2**20})
+
+    @pytest.fixture
+    def transport(self, transport_recipe: TransportRecipe) -> Transport:
+        """The echo transport, made from its recipe as the runtime makes it."""
+        return create_transport(transport_recipe.name, transport_recipe.options)
 
     async def test_nothing_is_left_behind(self, transport: Transport, tmp_path: Path) -> None:
         """Closing both ends deletes every file, released or not."""

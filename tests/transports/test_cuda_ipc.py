@@ -36,7 +36,7 @@ from pipeline._encoded import Encoded
 from pipeline._errors import TransportFull
 from pipeline._host import host_identity
 from pipeline._keys import ChunkKey
-from pipeline.testing import TransportConformance
+from pipeline.testing import TransportConformance, TransportRecipe
 from stages.text import Text
 from tests.pipeline.conftest import wait_for
 from tests.transports.cuda_ipc_peer import ROOT, Peer, Tensors, descriptor_line, fingerprint
@@ -89,6 +89,11 @@ class TestCudaIpc(TransportConformance):
     def transport(self) -> Transport:
         """The transport by name, as the runtime makes it, with room for a few MiB."""
         return CudaIpcTransport(capacity=4 * MiB)
+
+    @pytest.fixture
+    def transport_recipe(self) -> TransportRecipe:
+        """The same transport by name, for the producer the suite spawns."""
+        return TransportRecipe("cuda_ipc", {"capacity": 4 * MiB})
 
 
 # ---- the host path and the guards, on any machine ----------------------------------------
