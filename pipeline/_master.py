@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +108,8 @@ class _Replica:
     inflight: int = 0
     local: str = ""
     pidns: int = 0
+    #: Why it was declared dead, once it was.
+    why: str = ""
 
 
 @dataclass(slots=True)
@@ -202,6 +205,8 @@ class Master:
         self.endpoint = ""
         self.data_endpoint = ""
         self.replicas: dict[tuple[str, int], _Replica] = {}
+        #: Control identities of workers told that this master does not count them.
+        self._told: OrderedDict[bytes, None] = OrderedDict()
         self.expected = {
             (stage, k) for stage, s in plan.spec.stages.items() for k in range(s.replicas)
         }
@@ -366,12 +371,17 @@ class Master:
             and not (isinstance(msg, Heartbeat) and identity == pulse_identity(rep.identity))
         ):
             self._dropped(f"{type(msg).__name__} from no registered replica")
+            if rep is None and isinstance(msg, Heartbeat):
+                # A worker of the master this one replaced (restarted at its address).
+                self._tell_unknown(identity, msg, "does not know it (it started since)")
             return
         if not rep.alive and not isinstance(msg, SetupFailed):
             # Declared dead: what it still sends (a Ready, a heartbeat) must not revive it in
             # the orchestrator's view; a worker that is back registers anew. Its setup
             # error still counts: it says why start-up failed better than its exit code.
             self._dropped(f"{type(msg).__name__} from a replica declared dead")
+            if isinstance(msg, Heartbeat) and rep.why:
+                self._tell_unknown(identity, msg, f"declared it dead: it {rep.why}")
             return
         rep.last_seen = time.monotonic()
         match msg:
@@ -409,6 +419,21 @@ class Master:
                     replies.append(stats)
                     if len(replies) >= wanted and not fut.done():
                         fut.set_result(None)
+
+    def _tell_unknown(self, identity: bytes, beat: Heartbeat, why: str) -> None:
+        """Tell a worker still beating that this master does not count it as serving (once
+        per worker): it exits as one that lost its master (code 4, logging why), instead of
+        beating on unheard until it gives the master up, and what restarts it registers it
+        anew. Its control socket's identity is its heartbeat socket's, less the suffix."""
+        control = identity.removesuffix(pulse_identity(b""))
+        if control in self._told:
+            return
+        self._told[control] = None
+        if len(self._told) > 1024:
+            self._told.popitem(last=False)
+        reason = f"the master {why}; its stage {beat.stage!r} replica {beat.replica} is not served"
+        log.warning("unknown_worker_told", stage=beat.stage, replica=beat.replica, why=why)
+        self._send(control, Shutdown(reason, unknown=True))
 
     def _register(self, identity: bytes, msg: Register) -> None:
         key = (msg.stage, msg.replica)
@@ -557,6 +582,7 @@ class Master:
             return
         rep.alive = False
         rep.ready = False
+        rep.why = why
         self.outbox.forget(rep.endpoint)
         # A consumer asked about an earlier death will not answer now.
         for token, ask in list(self._asks.items()):

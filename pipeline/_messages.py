@@ -423,6 +423,10 @@ class Shutdown(_Msg, frozen=True, tag="shutdown"):
     """Run teardown and exit."""
 
     reason: str = ""
+    #: The master does not count this worker as serving (it declared it dead, or it is a
+    #: master restarted since the worker registered): the worker exits as one that lost its
+    #: master, so that whatever restarts it makes it register anew.
+    unknown: bool = False
 
 
 ControlToWorker = (

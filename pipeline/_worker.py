@@ -182,6 +182,8 @@ class _Worker:
         self.stop = asyncio.Event()
         #: Stopped by Ctrl-C (a worker started by hand).
         self.interrupted = False
+        #: Told by the master that it does not count this worker as serving.
+        self.dropped = False
         self.last_seen = time.monotonic()
         self.garbage = 0
         self.control_reader = SocketReader(self.control, self._on_control, self._on_error)
@@ -241,9 +243,14 @@ class _Worker:
                     stats["garbage"] += self.local.garbage_count
                     stats["local_frames"] = self.local.frames
                 self.send_control(StatsReply(self.stage, self.replica, token, stats))
-            case Shutdown(reason=reason):
+            case Shutdown(reason=reason, unknown=unknown):
                 assigned = self.assignment is not None and self.assignment.done()
-                if assigned and not self.stop.is_set() and reason != CLOSING:
+                if unknown and assigned and not self.stop.is_set():
+                    # Declared dead while it could not beat (stopped, frozen), or its master
+                    # restarted: it exits as one that lost its master, to be started anew.
+                    log.error("dropped_by_master", stage=self.stage, reason=reason)
+                    self.dropped = True
+                elif assigned and not self.stop.is_set() and reason != CLOSING:
                     # Not the pipeline's end: say why this worker stops (it was replaced).
                     log.warning("stopped_by_master", stage=self.stage, reason=reason)
                 self.stop.set()
@@ -424,6 +431,8 @@ class _Worker:
         code = await self._watch_master(defaults.heartbeat_interval, 2 * defaults.heartbeat_timeout)
         await actor.aclose()
         await self._teardown(instance)
+        if self.dropped:
+            return EXIT_MASTER_LOST
         return EXIT_INTERRUPTED if self.interrupted else code
 
     def _interrupt(self) -> None:

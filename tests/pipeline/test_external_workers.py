@@ -554,3 +554,43 @@ async def test_ctrl_c_stops_a_worker_started_by_hand_with_one_line(
             assert text.rstrip().endswith("interrupted"), text
     finally:
         kill_all(procs)
+
+
+@pytest.mark.parametrize("how", ["stopped past its timeout", "master restarted"])
+async def test_a_worker_its_master_does_not_count_is_told_and_exits_4(
+    tmp_path: Path, how: str
+) -> None:
+    """A worker the master declared dead while it could not beat (stopped, here, past the
+    heartbeat timeout), or one whose master was restarted at its address since it
+    registered, beat on unheard: the master dropped its heartbeats without a word, and the
+    worker exited 4 claiming its master lost (while that master answered). Now the master
+    tells it, once, and it exits 4 at once saying why, for whatever restarts it to start
+    it anew."""
+    # Long enough for a new master to start before the worker gives the old one up.
+    timeout = "1s" if how == "stopped past its timeout" else "10s"
+    config = tmp_path / "echo.yaml"
+    config.write_text(
+        "name: echo\n"
+        f"defaults: {{heartbeat_interval: 100ms, heartbeat_timeout: {timeout}}}\n"
+        "stages:\n"
+        '  echo: {impl: "tests.pipeline.sample_stages:Echo"}\n'
+    )
+    master, procs = await _serving(config, tmp_path)
+    worker, master_log = procs[1], tmp_path / "master.err"
+    try:
+        if how == "master restarted":
+            procs[0].kill()
+            procs[0].wait()
+            procs.append(_start("master", str(config), "--bind", master, err=master_log))
+            why = "does not know it"
+        else:
+            os.kill(worker.pid, signal.SIGSTOP)
+            await wait_for(lambda: "replica_dead" in master_log.read_text(), 30)
+            os.kill(worker.pid, signal.SIGCONT)
+            why = "declared it dead"
+        assert await asyncio.to_thread(worker.wait, 30) == 4
+        text = (tmp_path / "echo.err").read_text()
+        assert "dropped_by_master" in text and why in text, text
+        assert "master_lost" not in text, text
+    finally:
+        kill_all(procs)
