@@ -27,6 +27,7 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -58,7 +59,7 @@ from pipeline._errors import (
     PipelineError,
     StageError,
 )
-from pipeline._host import is_wildcard, split_endpoint
+from pipeline._host import is_wildcard, split_endpoint, tcp_endpoint
 from pipeline._logging import configure_logging
 from pipeline._report import render_tables
 from pipeline._security import (
@@ -162,15 +163,6 @@ def _load(args: argparse.Namespace) -> Pipeline:
         pipe = Pipeline.from_yaml(args.config)
     except ConfigError as exc:
         raise _Fail(str(exc), EXIT_CONFIG) from exc
-    bind = args.bind or pipe.spec.master.bind
-    parts = split_endpoint(bind)
-    if args.external_workers and parts is not None and is_wildcard(parts[0]):
-        raise _Fail(
-            f"--external-workers with the master bound to {bind!r}: workers are told the "
-            "address the master binds, so bind one they can reach, such as "
-            "tcp://10.0.0.5:7600 (an address of this host), not a wildcard",
-            EXIT_CONFIG,
-        )
     given = {k: v for k, v in (("bind", args.bind), ("keys", args.keys)) if v}
     if given:
         try:
@@ -222,6 +214,11 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
         listening.append(endpoint)
         # Plain lines, unwrapped, so they can be copied (or read by a script).
         lines = [f"master listening on {endpoint}; start each worker (any host, any order):"]
+        parts = split_endpoint(endpoint)
+        if parts is not None and is_wildcard(parts[0]):
+            # Bound to every interface: workers reach it at any address of this host.
+            endpoint = tcp_endpoint(socket.gethostname(), parts[1])
+            lines[0] += " (shown by this host's name; any of its addresses serves)"
         for stage, sspec in pipe.spec.stages.items():
             for k in range(sspec.replicas):
                 lines.append(

@@ -277,6 +277,16 @@ class _Worker:
                 self._route(p)
         return departed
 
+    def _reachable(self, client: Peer) -> Peer:
+        """The master's data endpoint as this worker reaches it: a master bound to every
+        interface (``--bind tcp://0.0.0.0:7600``) names the wildcard, which is no address
+        to connect to; the host this worker reached the master at serves instead."""
+        parts = split_endpoint(client.endpoint)
+        master = split_endpoint(self.master)
+        if parts is None or master is None or not is_wildcard(parts[0]):
+            return client
+        return msgspec.structs.replace(client, endpoint=tcp_endpoint(master[0], parts[1]))
+
     def _sweep_after(self, old: PeerTable | None, departed: set[str]) -> None:
         """Remove what the replicas of this host that left the table left in /dev/shm: a
         worker killed with ``kill -9`` cannot, and no launcher may be there to."""
@@ -405,8 +415,9 @@ class _Worker:
             return self._setup_failed(exc)
         peers = self.peers if self.peers is not None else assignment.peers
         self._forget_departed(peers)
-        self._route(assignment.client)
-        actor.set_peers(peers, assignment.client)
+        client = self._reachable(assignment.client)
+        self._route(client)
+        actor.set_peers(peers, client)
         self.actor = actor
         on_data = self.outbox.flushing_after(actor.on_data)
         self.data_reader = SocketReader(self.inbox, on_data, self._on_error)

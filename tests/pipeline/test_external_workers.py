@@ -106,15 +106,30 @@ async def test_a_run_whose_external_workers_never_come_names_them_and_exits_3(
         kill_all([proc])
 
 
-def test_external_workers_refuse_a_wildcard_bind(tmp_path: Path) -> None:
-    """Workers are told the address the master bound; a wildcard would send them nowhere."""
-    err = tmp_path / "run.err"
-    proc = _start(
-        "run", str(DEMO), "--external-workers", "--bind", "tcp://0.0.0.0:0",
-        "--input", '{"value": "a"}', err=err,
-    )  # fmt: skip
-    assert proc.wait(60) == 2
-    assert "not a wildcard" in err.read_text()
+async def test_a_master_bound_to_every_interface_serves_workers_wherever_they_reach_it(
+    tmp_path: Path,
+) -> None:
+    """``stagewire master CONFIG --bind tcp://0.0.0.0:PORT``, as the design shows it, was
+    refused: its data endpoint names the wildcard, no address to connect to. Now each worker
+    sends the client's data to the host it reached the master at (loopback here; each as
+    if on a host of its own, so over TCP), and the commands printed name this host."""
+    port = free_port()
+    err = tmp_path / "master.err"
+    procs = [_start("master", str(DEMO), "--bind", f"tcp://0.0.0.0:{port}", err=err)]
+    try:
+        text = await workers_announced(err)
+        assert f"stagewire worker --master tcp://{socket.gethostname()}:{port} " in text, text
+        master = f"tcp://127.0.0.1:{port}"
+        for stage in ("split", "upper", "join"):
+            procs.append(
+                _start("worker", "--master", master, "--stage", stage, "--headless",
+                       err=tmp_path / f"{stage}.err", host=f"host-{stage}")
+            )  # fmt: skip
+        await wait_for(lambda: "serving " in err.read_text(errors="replace"), 60)
+        done = _submit(master, '{"value": "wild card"}')
+        assert done.returncode == 0 and "WILD CARD" in done.stdout, (done.stdout, done.stderr)
+    finally:
+        kill_all(procs)
 
 
 @pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", "*"])

@@ -70,6 +70,28 @@ async def test_workers_on_other_hosts_serve_as_printed_without_a_bind_host(
                 assert await asyncio.to_thread(p.wait, 30) == 0, p.args
 
 
+async def test_a_master_bound_to_every_interface_is_reached_where_each_worker_found_it(
+    tmp_path: Path,
+) -> None:
+    """A master bound to ``tcp://0.0.0.0:7600`` names the wildcard as its data endpoint:
+    each worker on another host sends the client's data to the address it reached the
+    master at instead (to the wildcard, it would connect to its own host, and no output
+    would ever come)."""
+    with hosts_or_skip(3) as (master_host, worker_host, client):
+        err = tmp_path / "master.err"
+        master_host.start("master", str(DEMO), "--bind", "tcp://0.0.0.0:7600", err=err)
+        await workers_announced(err)
+        endpoint = f"tcp://{master_host.address}:7600"
+        for stage in ("split", "upper", "join"):
+            worker_host.start("worker", "--master", endpoint, "--stage", stage, "--headless",
+                              err=tmp_path / f"{stage}.err")  # fmt: skip
+        await wait_for(lambda: "serving " in err.read_text(), 60)
+        done = await asyncio.to_thread(client.run, "submit", "--master", endpoint, "--input",
+                                       '{"value": "wild card"}', "--timeout", "20")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == '{"value":"WILD CARD"}', done.stdout
+
+
 RELAYS = """\
 name: relays
 defaults: {heartbeat_interval: 200ms, heartbeat_timeout: 2s, replica_wait: 1s}
