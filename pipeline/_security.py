@@ -238,8 +238,15 @@ def handshake_failure(event: int, endpoint: str, keys: CurveKeys | None) -> str:
         why = "it does not accept this key pair"
     elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         why = "one side uses CURVE and the other does not"
+    elif keys is None:
+        # Also what a peer that speaks no ZMTP at all (another service) ends in.
+        return (
+            f"{endpoint} refused the connection: it demands CURVE keys, or it is no stagewire "
+            f"process at all ({mine}); check the address, or give every process of the "
+            f"pipeline the same --keys DIR (or {KEYS_ENV})"
+        )
     else:
-        why = "the keys do not match"
+        why = "the keys do not match, or it is not a stagewire process"
     return (
         f"{endpoint} refused the connection: {why} ({mine}); give every process of the "
         f"pipeline the same --keys DIR (or {KEYS_ENV})"

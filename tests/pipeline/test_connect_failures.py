@@ -406,3 +406,29 @@ def test_submit_checks_its_timeout_before_the_master() -> None:
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == "error: --timeout must be a positive number of seconds, not 0"
+
+
+async def test_a_service_that_is_no_master_is_not_blamed_on_keys() -> None:
+    """A port where another service greets first (an SSH-style banner) fails the
+    handshake without detail: the error said the CURVE keys did not match, though no
+    process had any. It now says the peer may be no stagewire process, and to check the
+    address."""
+    server = await asyncio.start_server(_greet_and_close, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(MasterUnavailable) as info:
+            async with Pipeline.connect(f"tcp://127.0.0.1:{port}", timeout=5):
+                pass
+        message = str(info.value)
+        assert "no stagewire process" in message and "check the address" in message, message
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def _greet_and_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"SSH-2.0-Example\r\n")
+    with contextlib.suppress(OSError):
+        await writer.drain()
+        await reader.read(64)  # what the client sends first, then the service hangs up
+    writer.close()
