@@ -262,7 +262,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     _collector.settle()
     started = time.perf_counter() - t0
     log.info("run_started", pipeline=pipe.spec.name, requests=total, startup_s=round(started, 3))
-    failures: list[str] = []
+    failures: list[tuple[int, str]] = []
     #: With --debug, the stage tracebacks of the first failures.
     tracebacks: list[str] = []
     outputs: list[tuple[int, Any]] = []
@@ -287,7 +287,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
                     try:
                         outputs.append((i, await pipe.submit(value)))
                     except PipelineError as exc:
-                        failures.append(f"request {i}: {exc}")
+                        failures.append((i, f"request {i}: {exc}"))
                         if args.debug and isinstance(exc, StageError) and len(tracebacks) < 3:
                             tracebacks.append(exc.traceback)
                         progress.update(task, failed=len(failures))
@@ -321,8 +321,8 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         f"({total / elapsed:.0f} req/s at concurrency {clients}); "
         f"workers started in {started:.2f}s"
     )
-    for line in failures[:5]:
-        console.print(f"[red]failed[/red] {escape(line)}")
+    for _, line in sorted(failures)[:5]:
+        console.print(f"[red]failed[/red] {escape(_one_line(line))}")
     for text in tracebacks:
         console.print(f"stage traceback:\n{text}", highlight=False, markup=False)
     return EXIT_FAILED if failures else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from rich.table import Table
@@ -17,6 +18,10 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _longest(names: Iterable[str]) -> int:
+    return max((len(n) for n in names), default=0)
+
+
 def _us(v: float) -> str:
     return f"{v / 1000:.2f} ms" if v >= 1000 else f"{v:.0f} µs"
 
@@ -24,14 +29,15 @@ def _us(v: float) -> str:
 def stage_rows(
     replicas: list[dict[str, Any]], order: list[str] | None = None
 ) -> list[dict[str, Any]]:
-    """One row per stage replica: requests, failures, chunks and process latency."""
+    """One row per stage replica: requests completed, failed and aborted there, chunks and
+    process latency."""
     rank = {name: i for i, name in enumerate(order or [])}
     rows = []
     for r in sorted(replicas, key=lambda r: (rank.get(r["stage"], len(rank)), r["replica"])):
         rows.append(
             {
                 "stage": f"{r['stage']}[{r['replica']}]",
-                "requests": r["completed"],
+                "completed": r["completed"],
                 "failed": r["failed"],
                 "aborted": r["aborted"],
                 "chunks_in": sum(i["chunks"] for i in r["inputs"]),
@@ -55,10 +61,14 @@ def edge_rows(
 ) -> list[dict[str, Any]]:
     """One row per edge: chunks, bytes, transports actually used and hop latency.
 
+    An edge into several replicas has each replica's hop percentiles, not their samples:
+    its p50 is the median of theirs, weighted by the chunks each got, and its p99 the
+    highest of theirs (a bound: the slowest replica's tail is the edge's).
+
     Rows follow ``order`` (edge names) where given, then the client's edges, then the rest.
     """
     sent: dict[str, dict[str, Any]] = {}
-    hops: dict[str, dict[str, Any]] = {}
+    hops: dict[str, list[dict[str, Any]]] = {}
     for r in [*replicas, client]:
         for o in r["outputs"]:
             row = sent.setdefault(
@@ -71,7 +81,7 @@ def edge_rows(
             for name, n in o["used"].items():
                 row["used"][name] = row["used"].get(name, 0) + n
         for i in r["inputs"]:
-            hops.setdefault(i["edge"], i)
+            hops.setdefault(i["edge"], []).append(i)
     rows = []
     rank = {name: i for i, name in enumerate(order or [])}
     # Follow the data: the client's input edges first, its output edges last.
@@ -90,7 +100,7 @@ def edge_rows(
         used = used or "-"
         if row["fallbacks"]:
             used += f" ({row['fallbacks']} fell back)"
-        hop = hops.get(edge, {})
+        p50, p99 = _hop_percentiles(hops.get(edge, []))
         rows.append(
             {
                 "edge": edge,
@@ -98,11 +108,27 @@ def edge_rows(
                 "bytes": row["bytes"],
                 "transport": row["transport"],
                 "used": used,
-                "p50_us": hop.get("hop_p50_us", 0.0),
-                "p99_us": hop.get("hop_p99_us", 0.0),
+                "p50_us": p50,
+                "p99_us": p99,
             }
         )
     return rows
+
+
+def _hop_percentiles(inputs: list[dict[str, Any]]) -> tuple[float, float]:
+    """An edge's hop p50 and p99 from those of the replicas it feeds (see edge_rows)."""
+    got = [i for i in inputs if i.get("chunks", 0)] or inputs
+    if not got:
+        return 0.0, 0.0
+    by_p50 = sorted(got, key=lambda i: i.get("hop_p50_us", 0.0))
+    half, seen = sum(i.get("chunks", 1) for i in by_p50) / 2, 0
+    p50 = 0.0
+    for i in by_p50:
+        seen += i.get("chunks", 1)
+        p50 = i.get("hop_p50_us", 0.0)
+        if seen >= half:
+            break
+    return p50, max(i.get("hop_p99_us", 0.0) for i in got)
 
 
 def render_tables(
@@ -115,13 +141,17 @@ def render_tables(
     rows = stage_rows(stats["replicas"], stage_order)
     # The stages' own counters get a column only when some stage has any.
     with_counters = any(row["counters"] for row in rows)
-    cols = ("stage", "requests", "failed", "aborted", "chunks in", "chunks out", "p50", "p99")
+    cols = ("stage", "completed", "failed", "aborted", "chunks in", "chunks out", "p50", "p99")
     for col in (*cols, "counters") if with_counters else cols:
-        stages.add_column(col, justify="left" if col in ("stage", "counters") else "right")
+        if col == "stage":
+            # Names are never cut: the other columns wrap first.
+            stages.add_column(col, no_wrap=True, min_width=_longest(r["stage"] for r in rows))
+        else:
+            stages.add_column(col, justify="left" if col == "counters" else "right")
     for row in rows:
         cells = [
             row["stage"],
-            str(row["requests"]),
+            str(row["completed"]),
             str(row["failed"]),
             str(row["aborted"]),
             str(row["chunks_in"]),
@@ -133,9 +163,13 @@ def render_tables(
             cells.append(_counters(row["counters"]))
         stages.add_row(*cells)
     edges = Table(title="edges", title_justify="left")
+    edge_table = edge_rows(stats["replicas"], stats["client"], edge_order)
     for col in ("edge", "chunks", "bytes", "transport", "used", "hop p50", "hop p99"):
-        edges.add_column(col, justify="right" if col in ("chunks", "bytes") else "left")
-    for row in edge_rows(stats["replicas"], stats["client"], edge_order):
+        if col == "edge":
+            edges.add_column(col, no_wrap=True, min_width=_longest(r["edge"] for r in edge_table))
+        else:
+            edges.add_column(col, justify="right" if col in ("chunks", "bytes") else "left")
+    for row in edge_table:
         edges.add_row(
             row["edge"],
             str(row["chunks"]),
