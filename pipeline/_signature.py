@@ -382,7 +382,30 @@ def _build(spec: PipelineSpec) -> PipelinePlan:
             stages[name].outputs[dst] = _edge_plan(spec, name, dst, out_tp, sig.streaming_output)
         upstream = spec.upstream(name) or [CLIENT]
         _bind_inputs(spec, stages, sigs, name, upstream)
+    if all(e.transport is not None for e in spec.edges):
+        # No edge takes the default: it is checked all the same, since the next edge added
+        # would (and a typo there was accepted until then).
+        _check_default_transport(spec)
     return PipelinePlan(spec, stages)
+
+
+def _check_default_transport(spec: PipelineSpec) -> None:
+    """Check ``defaults.transport`` as an edge that takes it is checked.
+
+    Raises:
+        ConfigError: ``defaults.transport`` names an unknown transport or bad options.
+    """
+    transport, defaults = spec.defaults.transport, spec.defaults
+    resolve_edge_transports(
+        "(the default)",
+        transport.kind,
+        transport.options,
+        fallback=transport.fallback,
+        full_timeout=transport.full_timeout,
+        chunk_timeout=defaults.chunk_timeout,
+        inline_threshold=defaults.inline_threshold,
+        path="defaults.transport",
+    )
 
 
 def _bind_inputs(

@@ -617,3 +617,30 @@ def test_yes_no_on_off_are_strings_as_in_yaml_1_2() -> None:
                   - {from: a, to: b, transport: {kind: network, options: {copy_on_put: yes}}}
             """)
         )
+
+
+@pytest.mark.parametrize(
+    "edges",
+    ["edges: []", "edges:\n  - {from: a, to: b, transport: inline}"],
+    ids=["no-edge", "every-edge-overrides-it"],
+)
+@pytest.mark.parametrize(
+    ("transport", "expected"),
+    [("carrier_pigeon", "p.yaml:1: defaults.transport"),
+     ("{kind: shm, options: {bogus: 1}}", "p.yaml:1: defaults.transport.options")],
+    ids=["unknown", "bad-options"],
+)  # fmt: skip
+def test_a_default_transport_no_edge_takes_is_checked_all_the_same(
+    tmp_path: Path, edges: str, transport: str, expected: str
+) -> None:
+    """A typo in ``defaults.transport`` was accepted while no edge took the default (none,
+    or each naming its own), until the next edge added failed on it."""
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        f"defaults: {{transport: {transport}}}\n"
+        "stages:\n  a: {impl: 'stages.text:Split'}\n  b: {impl: 'stages.text:Upper'}\n"
+        f"{edges}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        Pipeline.from_yaml(path)
+    assert str(info.value).startswith(str(tmp_path / expected)), str(info.value)
