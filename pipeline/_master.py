@@ -402,6 +402,11 @@ class Master:
                 if all(k in self.replicas and self.replicas[k].ready for k in self.expected):
                     self.startup.ready.set()
             case SetupFailed(message=message, traceback=trace):
+                if self.startup.ready.is_set():
+                    # A restart's setup failed (start-up's fails the start, which says why).
+                    log.error(
+                        "stage_setup_failed", stage=msg.stage, replica=msg.replica, error=message
+                    )
                 self.startup.error = f"stage {msg.stage!r} replica {msg.replica}: {message}"
                 self.startup.traceback = trace
                 self.startup.ready.set()

@@ -141,11 +141,21 @@ class _Reports:
 
 class _Worker:
     def __init__(
-        self, master: str, stage: str, replica: int, bind_host: str, *, debug: bool = False
+        self,
+        master: str,
+        stage: str,
+        replica: int,
+        bind_host: str,
+        *,
+        debug: bool = False,
+        launched: bool = False,
     ) -> None:
         self.stage = stage
         #: Whether a failed setup is logged with its traceback.
         self.debug = debug
+        #: Started by a local launcher, whose master reports a failed setup on one line (the
+        #: worker's own log of it, on the same terminal, would say it twice).
+        self.launched = launched
         self.replica = replica
         self.host = host_identity()
         self.zctx = new_context()
@@ -456,7 +466,7 @@ class _Worker:
         trace = format_traceback(exc)
         if self.debug:
             log.error("stage_setup_failed", stage=self.stage, error=message, traceback=trace)
-        else:
+        elif not self.launched:
             log.error("stage_setup_failed", stage=self.stage, error=message)
         self.send_control(SetupFailed(self.stage, self.replica, message, traceback=trace))
         return EXIT_SETUP_FAILED
@@ -509,6 +519,7 @@ async def run_worker(
     bind_host: str | None = None,
     connect_timeout: float = 300.0,
     debug: bool = False,
+    launched: bool = False,
 ) -> int:
     """Serve one replica of ``stage`` for the master at ``master``; returns an exit code.
 
@@ -518,7 +529,9 @@ async def run_worker(
         OSError: no ``bind_host`` given, and the master's host does not resolve.
         zmq.ZMQError: ``bind_host`` is not an address of this host.
     """
-    worker = _Worker(master, stage, replica, bind_host or address_toward(master), debug=debug)
+    worker = _Worker(
+        master, stage, replica, bind_host or address_toward(master), debug=debug, launched=launched
+    )
     try:
         return await worker.serve(connect_timeout)
     finally:
@@ -645,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         bind_host=args.bind_host,
         connect_timeout=args.connect_timeout,
         debug=args.debug,
+        launched=args.parent_pid is not None,
     )
     try:
         profile_dir = os.environ.get("STAGEWIRE_PROFILE_DIR")

@@ -105,13 +105,15 @@ def test_debug_shows_the_traceback(tmp_path: Path, where: str) -> None:
 
 
 def test_debug_shows_where_a_stages_setup_failed(tmp_path: Path) -> None:
-    """A stage whose setup raises fails start-up with one line (exit 3); with --debug the
-    worker's traceback of it comes too, naming the setup that raised."""
+    """A stage whose setup raises fails start-up with one line (exit 3: the worker's own
+    log line of it came first, saying it twice); with --debug the worker's traceback of it
+    comes too, naming the setup that raised."""
     cfg = tmp_path / "p.yaml"
     cfg.write_text("stages:\n  broken: {impl: 'tests.pipeline.sample_stages:BrokenSetup'}\n")
     plain = _run("run", str(cfg), "--input", '{"value": "a"}')
     assert plain.returncode == 3, plain.stderr
-    assert "OSError: weights file is missing" in plain.stderr
+    assert plain.stderr.count("OSError: weights file is missing") == 1, plain.stderr
+    assert plain.stderr.startswith("error: pipeline failed to start"), plain.stderr
     assert "Traceback" not in plain.stderr
     debug = _run("run", str(cfg), "--input", '{"value": "a"}', "--debug")
     assert debug.returncode != 0

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from pipeline import Pipeline, RequestAborted, StageUnavailable
 from stages.text import Text
@@ -150,13 +151,17 @@ async def test_the_restart_budget_renews_once_a_restarted_worker_has_run_a_while
 
 async def test_a_setup_that_fails_at_a_restart_is_retried(tmp_path: Path) -> None:
     """A restarted worker whose setup fails (a transient error) is restarted again, within
-    the budget, instead of losing its slot for good."""
+    the budget, instead of losing its slot for good; the master logs why the setup failed
+    (a worker a launcher started leaves that to its master)."""
     stage = {"impl": ":FlakySetup", "env": {"FLAKY_MARKER": str(tmp_path / "starts")}}
     async with Pipeline(spec({"echo": stage}, [])) as pipe:
-        await _crash(pipe)
-        assert await pipe.submit(Text("back")) == Text("back")
+        with structlog.testing.capture_logs() as logs:
+            await _crash(pipe)
+            assert await pipe.submit(Text("back")) == Text("back")
         assert (tmp_path / "starts").read_text() == "failed once"
         assert pipe._launcher is not None and pipe._launcher.restarts[KEY] == 2
+        failed = [e for e in logs if e["event"] == "stage_setup_failed"]
+        assert [e["stage"] for e in failed] == ["echo"] and "error" in failed[0], logs
 
 
 async def test_an_exit_of_a_process_that_no_longer_holds_the_slot_is_ignored() -> None:
