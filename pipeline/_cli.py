@@ -123,7 +123,8 @@ def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
         lines = [("--input", args.input)]
     elif args.input_file is not None:
         try:
-            text = Path(args.input_file).read_text(encoding="utf-8")
+            # utf-8-sig: a byte-order mark (as some editors save) is not part of line 1.
+            text = Path(args.input_file).read_text(encoding="utf-8-sig")
         except OSError as exc:
             raise _Fail(f"cannot read {args.input_file}: {exc.strerror}", EXIT_CONFIG) from exc
         except UnicodeDecodeError as exc:

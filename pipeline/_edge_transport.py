@@ -92,6 +92,12 @@ def resolve_edge_transports(
     else:
         names = [kind]
         per = {kind: dict(options)}
+    if fallback is not None and fallback == kind != AUTO:
+        raise ConfigError(
+            f"edge {edge!r}: a fallback must be another transport than {kind!r} itself (a "
+            "payload it cannot take, it would not take again)",
+            path=at("fallback"),
+        )
     if fallback is not None and fallback not in names:
         if fallback == AUTO:
             raise ConfigError(

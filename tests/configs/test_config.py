@@ -644,3 +644,24 @@ def test_a_default_transport_no_edge_takes_is_checked_all_the_same(
     with pytest.raises(ConfigError) as info:
         Pipeline.from_yaml(path)
     assert str(info.value).startswith(str(tmp_path / expected)), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("fallback", "expected"),
+    [("shm", "a fallback must be another transport than 'shm' itself"),
+     ("auto", "a fallback must be a transport, not 'auto'")],
+)  # fmt: skip
+def test_a_fallback_that_cannot_take_what_its_transport_refused_is_refused(
+    tmp_path: Path, fallback: str, expected: str
+) -> None:
+    """An edge pinned to shm with shm as its fallback was accepted: what the arena cannot
+    take would have gone to the same arena."""
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "stages:\n  a: {impl: 'stages.text:Split'}\n  b: {impl: 'stages.text:Upper'}\n"
+        f"edges:\n  - {{from: a, to: b, transport: {{kind: shm, fallback: {fallback}}}}}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        Pipeline.from_yaml(path)
+    assert str(info.value).startswith(str(tmp_path / "p.yaml:5: edges.0.transport.fallback"))
+    assert expected in str(info.value), str(info.value)

@@ -291,11 +291,12 @@ def test_submit_failures_map_to_their_exit_codes() -> None:
 
 def test_input_file_lines_end_at_newlines_only(tmp_path: Path) -> None:
     """A JSON line holding a raw U+2028, U+2029 or U+0085 in a string (which JSON allows)
-    is one input, and a line ending "\\r\\n" is read without its "\\r"."""
+    is one input, a line ending "\\r\\n" is read without its "\\r", and a byte-order mark
+    (as some editors save) is not part of the first line ("malformed (byte 0)" before)."""
     inputs = tmp_path / "in.jsonl"
     values = ["a\u2028b", "c\u2029d", "e\u0085f"]
     inputs.write_text(
-        "".join(json.dumps({"value": v}, ensure_ascii=False) + "\r\n" for v in values),
+        "\ufeff" + "".join(json.dumps({"value": v}, ensure_ascii=False) + "\r\n" for v in values),
         encoding="utf-8",
         newline="",
     )
