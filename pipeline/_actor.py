@@ -847,39 +847,30 @@ class StageActor:
         the last chunk's in a loop variable say): the producer may wait for the room they
         pin in its arena.
         """
+        advice = None
         for edge, inflow in req.inflows.items():
             window = self._inputs_by_edge[edge][1].plan.window
             if edge != gap.edge and inflow.buffer.buffered >= window:
-                return ChunkGap(
-                    gap.request_id,
-                    gap.edge,
-                    gap.seq,
-                    gap.timeout,
-                    advice=(
-                        f"meanwhile edge {edge!r} holds {inflow.buffer.buffered} chunks the "
-                        "handler has not read, a full credit window, so its producer waits "
-                        "for credit; if that producer also feeds this edge, it never sends "
-                        "the missing chunk: read both inputs as they come (or raise "
-                        f"{edge!r}'s window past the stream's length)"
-                    ),
+                advice = (
+                    f"meanwhile edge {edge!r} holds {inflow.buffer.buffered} chunks the "
+                    "handler has not read, a full credit window, so its producer waits for "
+                    "credit; if that producer also feeds this edge, it never sends the "
+                    "missing chunk: read both inputs as they come (or raise "
+                    f"{edge!r}'s window past the stream's length)"
                 )
-        held = self._inputs_by_edge[gap.edge][1].held_in_place()
-        if held:
-            return ChunkGap(
-                gap.request_id,
-                gap.edge,
-                gap.seq,
-                gap.timeout,
-                advice=(
-                    f"this process holds {held} payloads got by shm in place (zero-copy "
-                    "tensors still alive pin their extent; a loop variable keeps the last "
-                    "chunk while the next one is awaited), so the producer may be waiting for "
-                    "room in its arena: give the edge a shm `capacity` of two chunks per "
-                    "stream or `copy: true`, or drop the tensors sooner; else raise "
-                    "chunk_timeout if the upstream stage is slow"
-                ),
+                break
+        else:
+            held = self._inputs_by_edge[gap.edge][1].held_in_place()
+            if not held:
+                return gap
+            advice = (
+                f"this process holds {held} payloads got by shm in place (zero-copy tensors "
+                "still alive pin their extent; a loop variable keeps the last chunk while the "
+                "next one is awaited), so the producer may be waiting for room in its arena: "
+                "give the edge a shm `capacity` of two chunks per stream or `copy: true`, or "
+                "drop the tensors sooner; else raise chunk_timeout if the upstream stage is slow"
             )
-        return gap
+        return ChunkGap(gap.request_id, gap.edge, gap.seq, gap.timeout, advice=advice)
 
     async def _produce(self, req: _Request, ctx: Context, kwargs: dict[str, Any]) -> None:
         if self._batcher is not None:

@@ -433,12 +433,15 @@ class Master:
         control = identity.removesuffix(pulse_identity(b""))
         if control in self._told:
             return
+        reason = f"the master {why}; its stage {beat.stage!r} replica {beat.replica} is not served"
+        # Its control socket may not have reconnected yet (a restarted master hears the
+        # heartbeat thread's first): the next beat tries again.
+        if not self._send(control, Shutdown(reason, unknown=True)):
+            return
         self._told[control] = None
         if len(self._told) > 1024:
             self._told.popitem(last=False)
-        reason = f"the master {why}; its stage {beat.stage!r} replica {beat.replica} is not served"
         log.warning("unknown_worker_told", stage=beat.stage, replica=beat.replica, why=why)
-        self._send(control, Shutdown(reason, unknown=True))
 
     def _register(self, identity: bytes, msg: Register) -> None:
         key = (msg.stage, msg.replica)
