@@ -565,6 +565,8 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
     except ConfigError as exc:
         raise _Fail(str(exc), EXIT_CONFIG) from exc
     spec = pipe.spec
+    if spec.master.keys is not None:
+        _keys_or_fail(spec.master.keys)  # as `run` does: a pair that is not there fails it
     console.print(
         f"{args.config}: ok: pipeline {spec.name!r}, {len(spec.stages)} stages, "
         f"{len(spec.edges)} edges, sources {pipe.plan.sources}, sinks {pipe.plan.sinks}",

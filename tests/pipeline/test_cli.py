@@ -435,3 +435,17 @@ def test_a_reader_that_stops_early_ends_the_outputs_quietly(tmp_path: Path) -> N
     err = (tmp_path / "err").read_text()
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     assert "3000/3000 requests ok" in err, err
+
+
+def test_validate_checks_the_key_pair_the_config_names(tmp_path: Path) -> None:
+    """A ``master.keys`` directory without a pair passed ``validate`` and then failed
+    ``run``: both refuse it now, on one line, exit 2."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(
+        f"master: {{keys: {str(tmp_path / 'no-keys')!r}}}\n"
+        "stages:\n  a: {impl: 'stages.text:Split'}\n"
+    )
+    for command in (("validate", str(cfg)), ("run", str(cfg), "--input", '{"value": "a"}')):
+        done = _run(*command, timeout=60)
+        assert done.returncode == 2, (command, done.stderr)
+        assert "no CURVE key pair" in done.stderr and done.stderr.count("\n") == 1, done.stderr
