@@ -87,6 +87,8 @@ def make_keys(directory: str | os.PathLike[str], *, force: bool = False) -> Path
     if not zmq.has("curve"):
         raise ConfigError("this ZeroMQ build has no CURVE support; install pyzmq's wheel")
     path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a directory: name a directory for the key pair")
     secret_file = path / f"{_NAME}.key_secret"
     if secret_file.exists() and not force:
         raise ConfigError(f"{secret_file} already exists; pass --force to replace the key pair")

@@ -344,6 +344,18 @@ def test_keys_refuses_an_empty_directory(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_keys_refuses_a_file_saying_so(tmp_path: Path) -> None:
+    """``stagewire keys FILE`` said "File exists", naming no problem a user could see."""
+    target = tmp_path / "keys"
+    target.write_text("not a directory")
+    res = _run("keys", str(target), timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == (
+        f"error: {target} is a file, not a directory: name a directory for the key pair"
+    )
+    assert target.read_text() == "not a directory"
+
+
 @pytest.mark.parametrize(
     "endpoint",
     ["tcp://127.0.0.1", "tcp://", "tcp://*:7600", "tcp://:7600", "tcp://127.0.0.1:99999",
