@@ -278,7 +278,9 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             TimeElapsedColumn(),
             TextColumn("{task.fields[failed]} failed"),
             console=console,
-            transient=not console.is_terminal,
+            # Off a terminal no bar shows (progress lines do, see _progress_lines): a
+            # transient one left a blank line at the top of the output.
+            disable=not console.is_terminal,
         )
         with progress:
             task = progress.add_task("requests", total=total, failed=0)

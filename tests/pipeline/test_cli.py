@@ -386,12 +386,14 @@ def test_show_stream_names_the_fields_when_none_is_the_one_asked(tmp_path: Path)
 
 
 def test_run_writes_progress_lines_where_no_bar_shows(tmp_path: Path) -> None:
-    """With stderr a file (a log, CI), no bar is drawn: progress lines are written instead,
-    every --progress-every seconds; and a period that is no time is a usage error."""
+    """With stderr a file (a log, CI), no bar is drawn (nor a blank line where a transient
+    one was): progress lines are written instead, every --progress-every seconds; and a
+    period that is no time is a usage error."""
     cfg = _echo_config(tmp_path)
     done = _run("run", str(cfg), "--input", '{"value": "sleep 0.25"}', "--requests", "6",
                 "--concurrency", "1", "--progress-every", "0.3")  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert "\n\n" not in done.stderr and not done.stderr.startswith("\n"), done.stderr
     lines = [ln for ln in done.stderr.splitlines() if ln.startswith("progress: ")]
     assert lines, done.stderr
     assert re.fullmatch(r"progress: \d+/6 requests, 0 failed, [\d.]+ req/s, \d+s elapsed", lines[0])
