@@ -114,6 +114,16 @@ class _Fail(Exception):
         self.code = code
 
 
+def _field_names(tp: Any) -> set[str] | None:
+    """The names a JSON object of ``tp`` may use, if ``tp`` is a Struct that does not take
+    unknown fields itself; else None."""
+    if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
+        return None
+    if getattr(tp.__struct_config__, "forbid_unknown_fields", False):
+        return None  # msgspec refuses them already, naming them
+    return set(tp.__struct_encode_fields__)
+
+
 def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
     sources = pipe.plan.sources
     if len(sources) != 1:
@@ -142,12 +152,23 @@ def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
     else:
         raise _Fail("give --input JSON or --input-file FILE.jsonl", EXIT_CONFIG)
     values = []
+    name = getattr(tp, "__name__", str(tp))
+    known = _field_names(tp)
     for where, line in lines:
         try:
             values.append(msgspec.json.decode(line, type=tp))
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            name = getattr(tp, "__name__", str(tp))
             raise _Fail(f"{where}: not a valid {name}: {exc}", EXIT_CONFIG) from exc
+        if known is not None:
+            # A misspelt optional field would be dropped without a word, its default used.
+            given = msgspec.json.decode(line)
+            unknown = sorted(set(given) - known) if isinstance(given, dict) else []
+            if unknown:
+                raise _Fail(
+                    f"{where}: {name} has no field {unknown[0]!r} (its fields: "
+                    f"{', '.join(sorted(known))})",
+                    EXIT_CONFIG,
+                )
     if not values:
         raise _Fail(f"{args.input_file}: no inputs", EXIT_CONFIG)
     return values

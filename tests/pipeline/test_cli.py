@@ -189,6 +189,9 @@ def test_bad_arguments_are_one_line_errors_not_tracebacks(tmp_path: Path) -> Non
         (("run", "configs/demo.yaml", "--input", '{"value": "a"}', "--requests", "-1"),
          "--requests: -1 is below 0"),
         (("run", "configs/demo.yaml", "--input-file", str(binary)), "not UTF-8 text"),
+        # A misspelt field was dropped without a word (an optional one kept its default).
+        (("run", "configs/demo.yaml", "--input", '{"value": "a", "valeu": "b"}'),
+         "--input: Text has no field 'valeu' (its fields: value)"),
         (("worker", "--master", "not-an-endpoint", "--stage", "split"),
          "is not a control endpoint"),
         (("worker", "--master", "tcp://127.0.0.1:9", "--stage", "split", "--replica", "-1"),
