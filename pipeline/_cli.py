@@ -212,6 +212,15 @@ def _keys_or_fail(directory: str | None) -> CurveKeys | None:
         raise _Fail(str(exc), EXIT_CONFIG) from None
 
 
+def _named(endpoint: str) -> str:
+    """``endpoint`` as peers reach it: a master bound to every interface is reached at any
+    address of this host, shown by the host's name."""
+    parts = split_endpoint(endpoint)
+    if parts is None or not is_wildcard(parts[0]):
+        return endpoint
+    return tcp_endpoint(socket.gethostname(), parts[1])
+
+
 async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> None:
     """Start the master and its workers: launched here, or (``--external-workers``) started
     by the user with the commands this prints, while a status line names those missing.
@@ -236,10 +245,8 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
         listening.append(endpoint)
         # Plain lines, unwrapped, so they can be copied (or read by a script).
         lines = [f"master listening on {endpoint}; start each worker (any host, any order):"]
-        parts = split_endpoint(endpoint)
-        if parts is not None and is_wildcard(parts[0]):
-            # Bound to every interface: workers reach it at any address of this host.
-            endpoint = tcp_endpoint(socket.gethostname(), parts[1])
+        if _named(endpoint) != endpoint:
+            endpoint = _named(endpoint)
             lines[0] += " (shown by this host's name; any of its addresses serves)"
         for stage, sspec in pipe.spec.stages.items():
             for k in range(sspec.replicas):
@@ -435,18 +442,24 @@ async def _master(args: argparse.Namespace, console: Console) -> int:
     server.install()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # While it serves, either signal stops it in order (exit 0, its figures printed); the
+    # handlers before come back for its shutdown, so that a second SIGTERM meanwhile takes
+    # Ctrl-C's path instead of killing it outright.
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in before:
         loop.add_signal_handler(sig, stop.set)
     sys.stderr.write(
-        f"serving {pipe.spec.name}: stagewire submit --master {pipe.master_endpoint} "
+        f"serving {pipe.spec.name}: stagewire submit --master {_named(pipe.master_endpoint)} "
         "--input JSON (Ctrl-C stops the master and its workers)\n"
     )
     sys.stderr.flush()
     try:
         await stop.wait()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig, handler in before.items():
             loop.remove_signal_handler(sig)
+            if handler is not None:
+                signal.signal(sig, handler)
         await server.aclose()
         await pipe.aclose()
     console.print(
@@ -791,6 +804,11 @@ def _on_sigterm_interrupt() -> list[bool]:
 
     def on_term(signum: int, frame: object) -> None:
         came[0] = True
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+            # SIGINT inherited as ignored (a background job of a script): a raised SIGINT
+            # would be dropped, and asyncio took no handler for it. This is what Python's
+            # own SIGINT handler does.
+            raise KeyboardInterrupt
         signal.raise_signal(signal.SIGINT)
 
     signal.signal(signal.SIGTERM, on_term)

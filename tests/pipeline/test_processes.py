@@ -597,11 +597,16 @@ async def test_garbage_on_sockets_is_dropped_and_counted() -> None:
         assert await pipe.submit(Text("still serving")) == Text("still serving")
 
 
-def _stagewire(tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
-    """Start ``stagewire`` in its own session, its stderr (with info logs) to ``tmp_path/err``."""
+def _stagewire(tmp_path: Path, *args: str, sigint_ignored: bool = False) -> subprocess.Popen[bytes]:
+    """Start ``stagewire`` in its own session, its stderr (with info logs) to ``tmp_path/err``;
+    with ``sigint_ignored``, as a script's background job starts (SIGINT ignored, which
+    ``exec`` keeps)."""
+    command = [sys.executable, "-m", "pipeline", *args]
+    if sigint_ignored:
+        command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
     with (tmp_path / "err").open("wb") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "pipeline", *args],
+            command,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err,
@@ -629,21 +634,27 @@ async def _workers_of(proc: subprocess.Popen[bytes], count: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("sig", "code", "said"),
-    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
-    ids=["ctrl-c", "sigterm"],
+    ("sig", "code", "said", "sigint_ignored"),
+    [
+        (signal.SIGINT, 130, "interrupted", False),
+        (signal.SIGTERM, 143, "terminated", False),
+        (signal.SIGTERM, 143, "terminated", True),
+    ],
+    ids=["ctrl-c", "sigterm", "sigterm-with-sigint-ignored"],
 )
 async def test_ctrl_c_stops_run_and_every_worker(
-    tmp_path: Path, sig: signal.Signals, code: int, said: str
+    tmp_path: Path, sig: signal.Signals, code: int, said: str, sigint_ignored: bool
 ) -> None:
     """SIGINT to the run's process group exits 130 and leaves no worker behind; so does
-    SIGTERM to the run's process alone (as a service manager stops it), exiting 143. (It
-    used to kill the run outright, leaving its workers to the kernel's parent-death signal
-    and, now and then, a worker's shm segment in /dev/shm.)"""
+    SIGTERM to the run's process alone (as a service manager stops it), exiting 143, also
+    when SIGINT came ignored (a script's background job), where a first fix of it let
+    SIGTERM do nothing at all. (SIGTERM used to kill the run outright, leaving its workers
+    to the kernel's parent-death signal and, now and then, a worker's shm segment.)"""
     cfg = _write_config(tmp_path)
     proc = _stagewire(
-        tmp_path, "run", str(cfg), "--input", '{"value": "sleep 5"}', "--requests", "50"
-    )
+        tmp_path, "run", str(cfg), "--input", '{"value": "sleep 5"}', "--requests", "50",
+        sigint_ignored=sigint_ignored,
+    )  # fmt: skip
     try:
         workers = await _workers_of(proc, 1)
 
