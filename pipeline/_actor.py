@@ -241,9 +241,6 @@ class StageActor:
         self._unreadable: OrderedDict[str, TransportError] = OrderedDict()
         #: Stages that requests not admitted here yet go on without (see :meth:`gone`).
         self._gone: OrderedDict[str, set[str]] = OrderedDict()
-        #: Data endpoints of replicas that left the peer table (died, or restarted
-        #: elsewhere): a request routed to one of them sends it nothing.
-        self._left: OrderedDict[str, None] = OrderedDict()
         #: Set (and replaced) whenever the peer table changes or a request goes on without
         #: a stage: what a send waiting for a table naming its replica waits on.
         self._table_changed: asyncio.Event | None = None
@@ -308,14 +305,6 @@ class StageActor:
             for k, peer in replicas.items()
             if (now := peers.get(stage, {}).get(k)) is None or now.endpoint != peer.endpoint
         }
-        for left in gone.values():
-            self._left[left] = None
-        if self._left:
-            for replicas in peers.values():  # an endpoint taken again by a new replica
-                for peer in replicas.values():
-                    self._left.pop(peer.endpoint, None)
-            while len(self._left) > UNREADABLE_MEMORY:
-                self._left.popitem(last=False)
         self._wake_table_waiters()
         if not gone:
             return
@@ -354,9 +343,11 @@ class StageActor:
         request before it has work.
 
         None while the peer table here does not name the replica incarnation the request
-        was routed to: the request came before the table naming a restarted replica (the
-        master sends both at once, on different sockets); see :meth:`_table_for`. A
-        request routed to an incarnation that left the table sends it nothing.
+        was routed to (see :meth:`_table_for`): the request came before the table naming
+        a restarted replica (the master sends both at once, on different sockets), or it
+        was routed to one that died since, which the master fails (Abort) or lets go on
+        without it (:meth:`gone`). An endpoint alone cannot tell the two apart: a restarted
+        replica may bind its predecessor's port again.
 
         Raises:
             StageUnavailable: the route names a replica this table never had.
@@ -376,10 +367,7 @@ class StageActor:
         if dst != CLIENT:
             wanted = req.endpoints.get(dst)
             if wanted is not None and (target is None or target.endpoint != wanted):
-                if wanted not in self._left:
-                    return None  # its table is yet to come
-                self._send_nothing(req, dst)
-                return req.targets[dst]
+                return None
         if target is None:
             raise StageUnavailable(dst, f"replica {replica} is not known to {self.stage!r}")
         if dst != CLIENT:
@@ -391,8 +379,8 @@ class StageActor:
 
     async def _table_for(self, dst: str, req: _Request) -> SendTarget:
         """Where ``dst``'s chunks of ``req`` go, once the peer table names the replica the
-        request was routed to: at most the edge's chunk timeout, as its consumer would
-        wait for a chunk.
+        request was routed to, or the master says the request goes on without it (then
+        nowhere): at most the edge's chunk timeout, as its consumer would wait for a chunk.
 
         Raises:
             StageUnavailable: no such table came in time.

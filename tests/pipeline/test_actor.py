@@ -307,15 +307,28 @@ async def test_a_request_routed_to_a_replica_its_table_never_names_fails_at_the_
         await relay.aclose()
 
 
-async def test_a_request_routed_to_a_replica_gone_before_its_data_came_sends_it_nothing() -> None:
-    """A request routed to the incarnation of 'next' that the table here already replaced
-    sends nothing to it, nor relays its Admit to the successor (the master fails or keeps
-    the request, and tells this replica so after)."""
+async def test_a_request_routed_to_a_replica_gone_before_its_data_came_waits_for_the_word() -> None:
+    """A request routed to the incarnation of 'next' that the table here has already
+    replaced sends nothing, to it or to its successor (no Admit there either), until the
+    master says the request goes on without it (or aborts it). An endpoint alone cannot
+    tell it from a new incarnation that bound the same port again: that one's request
+    waits for the table naming it, and then sends there."""
     relay = _Relay()
     try:
         relay.restart_next("inproc://next-2")
         await relay.feed("r1", "inproc://next")
+        await wait_for(lambda: relay.actor._table_changed is not None, 5, interval=0)
+        assert relay.sent == [] and relay.actor.inflight == 1
+        relay.actor.gone("r1", "next")
         await wait_for(lambda: not relay.actor.inflight, 5)
         assert relay.sent == [] and relay.reported == []
+        # The port of the first incarnation, bound again by a third.
+        await relay.feed("r2", "inproc://next")
+        await wait_for(lambda: relay.actor._table_changed is not None, 5, interval=0)
+        assert relay.sent == []
+        relay.restart_next("inproc://next")
+        await wait_for(lambda: not relay.actor.inflight, 5)
+        assert [endpoint for endpoint, _ in relay.sent] == ["inproc://next"] * 2
+        assert relay.reported == []
     finally:
         await relay.aclose()
