@@ -79,7 +79,7 @@ from pipeline._sockets import (
 )
 from transports._liveness import local_pid, pid_alive, pid_namespace
 from transports._registry import AUTO, resolve_transport
-from transports.inline import MAX_DATA_MESSAGE
+from transports.inline import MAX_DATA_FRAME
 
 __all__ = ("Master",)
 
@@ -198,7 +198,7 @@ class Master:
         self.inbox = secure_server(self.zctx.socket(zmq.PULL), keys)
         self.inbox.setsockopt(zmq.RCVHWM, 0)
         self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_MESSAGE)
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_FRAME)
         self.outbox = Outbox(self.zctx, keys)
         #: Same-host workers send the client's data here instead of to ``inbox``.
         self.local: LocalListener | None = None
@@ -269,7 +269,7 @@ class Master:
         self._control_reader = SocketReader(self.router, self._on_control, self._on_error)
         on_data = self.outbox.flushing_after(self.orch.on_data)
         if local_links_enabled():
-            self.local = LocalListener(self._on_error, max_message=MAX_DATA_MESSAGE)
+            self.local = LocalListener(self._on_error, max_message=MAX_DATA_FRAME)
             self.local.start(on_data)
         self._readers = [self._control_reader, SocketReader(self.inbox, on_data, self._on_error)]
         for reader in self._readers:

@@ -87,7 +87,7 @@ from pipeline._sockets import (
 )
 from pipeline._stage import Stage
 from transports._liveness import local_pid, pid_namespace
-from transports.inline import MAX_DATA_MESSAGE
+from transports.inline import MAX_DATA_FRAME
 
 __all__ = ("EXIT_MASTER_LOST", "EXIT_SETUP_FAILED", "main", "run_worker")
 
@@ -177,13 +177,13 @@ class _Worker:
         self.inbox = secure_server(self.zctx.socket(zmq.PULL), keys)
         self.inbox.setsockopt(zmq.RCVHWM, 0)
         self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_MESSAGE)
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_FRAME)
         self.endpoint = bind_ephemeral(self.inbox, tcp_endpoint(bind_host, 0))
         self.outbox = Outbox(self.zctx, keys)
         #: Same-host peers send here instead of to ``inbox``; read once the actor exists.
         self.local: LocalListener | None = None
         if local_links_enabled():
-            self.local = LocalListener(self._on_error, max_message=MAX_DATA_MESSAGE)
+            self.local = LocalListener(self._on_error, max_message=MAX_DATA_FRAME)
         self.peer_endpoints: set[str] = set()
         self.peers: PeerTable | None = None
         self.assignment: asyncio.Future[Assignment] | None = None

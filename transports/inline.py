@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from pipeline._codec import PayloadCodec
 
 __all__ = (
+    "MAX_DATA_FRAME",
     "MAX_DATA_MESSAGE",
     "MAX_INLINE",
     "InlineDescriptor",
@@ -41,6 +42,12 @@ MAX_DATA_MESSAGE: Final = 1 << 30
 #: The largest payload an inline envelope carries: what leaves its envelope room within
 #: MAX_DATA_MESSAGE.
 MAX_INLINE: Final = MAX_DATA_MESSAGE - (1 << 20)
+#: What a receiving socket takes beyond MAX_DATA_MESSAGE: ZMQ checks its limit against the
+#: frame on the wire, which CURVE's encryption makes a few dozen bytes longer, so that a
+#: message the runtime sends is never one its receiver refuses.
+WIRE_HEADROOM: Final = 1 << 16
+#: The largest data frame a replica or the master receives.
+MAX_DATA_FRAME: Final = MAX_DATA_MESSAGE + WIRE_HEADROOM
 
 T = TypeVar("T")
 

@@ -43,6 +43,7 @@ from stages.text import Text
 from tests.pipeline.conftest import wait_for, workers_announced
 from tests.procs import free_port, kill_all, start_stagewire
 from transports import EdgeContext
+from transports.inline import WIRE_HEADROOM
 from transports.network import NetworkTransport
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -337,6 +338,33 @@ def test_a_server_whose_handler_is_gone_admits_nobody(keys: Path) -> None:
     ended = threading.Event()
     threading.Thread(target=lambda: (ctx.term(), ended.set()), daemon=True).start()
     assert ended.wait(10), "ctx.term() hung on the handler's socket"
+
+
+def test_a_data_message_at_its_limit_passes_curve_within_the_receivers_headroom(
+    keys: Path,
+) -> None:
+    """ZMQ checks a receiver's MAXMSGSIZE against the frame on the wire, which CURVE makes
+    longer: a message at the senders' limit was refused, dropping the link with all it
+    queued. Receivers take WIRE_HEADROOM more (here for a limit scaled down to 1000)."""
+    pair = load_keys(keys)
+    ctx = zmq.Context()
+    limit = 1000
+    try:
+        for receiver_limit, arrives in ((limit, False), (limit + WIRE_HEADROOM, True)):
+            server = secure_server(ctx.socket(zmq.PULL), pair)
+            server.setsockopt(zmq.LINGER, 0)
+            server.setsockopt(zmq.MAXMSGSIZE, receiver_limit)
+            port = server.bind_to_random_port("tcp://127.0.0.1")
+            client = secure_client(ctx.socket(zmq.PUSH), pair)
+            client.setsockopt(zmq.LINGER, 0)
+            client.connect(f"tcp://127.0.0.1:{port}")
+            client.send(b"x" * limit)
+            assert bool(server.poll(3000 if arrives else 1000)) == arrives, receiver_limit
+            for s in (server, client):
+                s.close()
+    finally:
+        stop_guard(ctx)
+        ctx.term()
 
 
 async def test_workers_on_hosts_of_their_own_move_data_over_curve(

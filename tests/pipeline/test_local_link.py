@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import zmq
 
 from pipeline import Pipeline
 from pipeline import _sockets as sockets_module
@@ -17,6 +18,7 @@ from pipeline._local_link import LocalLink, LocalListener
 from pipeline._sockets import Outbox, new_context
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
+from transports.inline import MAX_DATA_FRAME, MAX_DATA_MESSAGE
 
 
 class _Collect:
@@ -255,6 +257,10 @@ async def test_a_local_pipeline_moves_its_data_over_local_links() -> None:
         for i in range(20):
             assert await pipe.submit(Text(f"r{i}")) == Text(f"r{i}")
         stats = await pipe.statistics()
+        # Receivers take more than any message sent (see test_curve's headroom test).
+        master = pipe._master_or_fail()
+        assert master.inbox.getsockopt(zmq.MAXMSGSIZE) == MAX_DATA_FRAME > MAX_DATA_MESSAGE
+        assert master.local is not None and master.local.max_message == MAX_DATA_FRAME
     # Every worker received its input over a link, and so did the client its outputs.
     assert all(r["local_frames"] > 0 for r in stats["replicas"]), stats["replicas"]
     assert stats["local_frames"] > 0
