@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from pydantic import BaseModel, ValidationError
+from pydantic import AliasChoices, AliasPath, BaseModel, RootModel, ValidationError
 
 from pipeline._config import PipelineSpec, StageSpec, TransportSpec
 from pipeline._edge_transport import EdgeTransports, resolve_edge_transports
@@ -258,21 +258,27 @@ def _validate_params(spec: StageSpec, cls: type[Stage], stage: str) -> Any:
 def _refuse_unknown_params(
     params: Mapping[str, Any], model: type[BaseModel], cls: str, stage: str
 ) -> None:
-    """A param the stage's model has no field for is a typo: pydantic ignores it unless
-    the model says ``extra="forbid"``, so a misspelt param silently kept its default. Only
-    a model that names its ``extra`` policy itself (``allow``, ``ignore``) keeps it.
+    """A param the stage's model takes under no name is a typo: pydantic ignores it unless
+    the model says ``extra="forbid"``, so a misspelt param silently kept its default. So
+    is a field's own name where the model takes it by its alias only. Only a model that
+    names its ``extra`` policy itself (``allow``, ``ignore``) keeps unknown keys, and a
+    root model is left to pydantic.
 
     Raises:
         ConfigError: naming the first unknown param, and the closest known one.
     """
-    if model.model_config.get("extra") is not None:
+    config = model.model_config
+    if config.get("extra") is not None or issubclass(model, RootModel):
         return
+    by_name = bool(config.get("validate_by_name") or config.get("populate_by_name"))
+    by_alias = config.get("validate_by_alias", True) is not False
     known: set[str] = set()
     for name, info in model.model_fields.items():
-        known.add(name)
-        for alias in (info.alias, info.validation_alias):
-            if isinstance(alias, str):
-                known.add(alias)
+        aliases = _alias_names(info.validation_alias if info.validation_alias else info.alias)
+        if by_alias:
+            known |= aliases
+        if by_name or not aliases or not by_alias:
+            known.add(name)
     unknown = [key for key in params if key not in known]
     if not unknown:
         return
@@ -284,6 +290,18 @@ def _refuse_unknown_params(
     raise ConfigError(
         f"{cls}.Params has no param {key!r}: {hint}", path=f"stages.{stage}.params.{key}"
     )
+
+
+def _alias_names(alias: object) -> set[str]:
+    """The top-level keys an alias (a name, ``AliasPath``, ``AliasChoices``) reads."""
+    if isinstance(alias, str):
+        return {alias}
+    if isinstance(alias, AliasPath):
+        first = alias.path[0] if alias.path else None
+        return {first} if isinstance(first, str) else set()
+    if isinstance(alias, AliasChoices):
+        return {n for choice in alias.choices for n in _alias_names(choice)}
+    return set()
 
 
 def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool) -> EdgePlan:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import textwrap
 from pathlib import Path
 
@@ -665,3 +666,31 @@ def test_a_fallback_that_cannot_take_what_its_transport_refused_is_refused(
         Pipeline.from_yaml(path)
     assert str(info.value).startswith(str(tmp_path / "p.yaml:5: edges.0.transport.fallback"))
     assert expected in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("stage", "params", "refused"),
+    [("Choices", "{max_new: 64}", None),
+     ("Nested", "{image: {size: 3}}", None),
+     ("Camel", "{maxTokens: 64, max_tokens: 64}", None),
+     ("Mapping", "{a: 1, b: 2}", None),
+     ("AliasOnly", "{maxTokens: 64}", None),
+     # pydantic ignores a field's own name where it takes the alias only: a silent default.
+     ("AliasOnly", "{max_tokens: 64}", "has no param 'max_tokens': did you mean 'maxTokens'?")],
+)  # fmt: skip
+def test_every_key_a_params_model_takes_passes_the_misspelling_check(
+    tmp_path: Path, stage: str, params: str, refused: str | None
+) -> None:
+    """The check for misspelt params takes what pydantic takes (aliases among choices, the
+    first key of an alias path, generated aliases, a root model's keys), which a first
+    version of it refused, and refuses a field's own name where the model reads its alias
+    only, which it let through."""
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        f"stages:\n  s: {{impl: 'tests.configs.params_stages:{stage}', params: {params}}}\n"
+    )
+    if refused is None:
+        Pipeline.from_yaml(path)
+        return
+    with pytest.raises(ConfigError, match=re.escape(refused)):
+        Pipeline.from_yaml(path)

@@ -1,0 +1,41 @@
+"""Stages whose ``Params`` models take their keys in pydantic's several ways: each key they
+take must pass the check for misspelt params, and only those."""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, AliasPath, BaseModel, ConfigDict, Field, RootModel
+from pydantic.alias_generators import to_camel
+
+from pipeline import Context, Stage
+from stages.text import Text
+
+
+class _Echo(Stage):
+    async def process(self, text: Text, ctx: Context) -> Text:
+        return text
+
+
+class Choices(_Echo):
+    class Params(BaseModel):
+        max_tokens: int = Field(16, validation_alias=AliasChoices("max_tokens", "max_new"))
+
+
+class Nested(_Echo):
+    class Params(BaseModel):
+        size: int = Field(1, validation_alias=AliasPath("image", "size"))
+
+
+class Camel(_Echo):
+    class Params(BaseModel):
+        model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+        max_tokens: int = 16
+
+
+class Mapping(_Echo):
+    class Params(RootModel[dict[str, int]]):
+        pass
+
+
+class AliasOnly(_Echo):
+    class Params(BaseModel):
+        max_tokens: int = Field(16, alias="maxTokens")
