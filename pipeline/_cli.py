@@ -640,7 +640,7 @@ def _parser() -> argparse.ArgumentParser:
         "--requests",
         type=_count(0, MAX_COUNT),
         default=0,
-        help="requests to send (cycles inputs)",
+        help="requests to send, cycling through the inputs (default 0: each input once)",
     )
     run.add_argument(
         "--concurrency", type=_count(1, MAX_COUNT), default=8, help="requests in flight"
