@@ -323,16 +323,7 @@ def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool)
         window, chunk_timeout = spec.edge_window(e), spec.edge_chunk_timeout(e)
         window_bytes = spec.edge_window_bytes(e)
         threshold = spec.edge_inline_threshold(e)
-    transports = resolve_edge_transports(
-        name,
-        transport.kind,
-        transport.options,
-        fallback=transport.fallback,
-        full_timeout=transport.full_timeout,
-        chunk_timeout=chunk_timeout,
-        inline_threshold=threshold,
-        path=path,
-    )
+    transports = _resolve(name, transport, chunk_timeout, threshold, path)
     return EdgePlan(
         name,
         src,
@@ -413,16 +404,33 @@ def _check_default_transport(spec: PipelineSpec) -> None:
     Raises:
         ConfigError: ``defaults.transport`` names an unknown transport or bad options.
     """
-    transport, defaults = spec.defaults.transport, spec.defaults
-    resolve_edge_transports(
+    defaults = spec.defaults
+    _resolve(
         "(the default)",
+        defaults.transport,
+        defaults.chunk_timeout,
+        defaults.inline_threshold,
+        "defaults.transport",
+    )
+
+
+def _resolve(
+    edge: str, transport: TransportSpec, chunk_timeout: float, threshold: int, path: str | None
+) -> EdgeTransports:
+    """:func:`resolve_edge_transports` for what ``transport`` says.
+
+    Raises:
+        ConfigError: as resolve_edge_transports.
+    """
+    return resolve_edge_transports(
+        edge,
         transport.kind,
         transport.options,
         fallback=transport.fallback,
         full_timeout=transport.full_timeout,
-        chunk_timeout=defaults.chunk_timeout,
-        inline_threshold=defaults.inline_threshold,
-        path="defaults.transport",
+        chunk_timeout=chunk_timeout,
+        inline_threshold=threshold,
+        path=path,
     )
 
 
