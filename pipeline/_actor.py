@@ -995,10 +995,23 @@ class StageActor:
         for out in self._outputs.values():
             await out.reserve()
 
+    def forget_all(self, reason: str) -> None:
+        """Abort every request held here, and drop what is to be reported of any."""
+        for rid in list(self._requests):
+            self.forget(rid, RequestAborted(rid, reason))
+        self._reports.clear()
+        self._unreadable.clear()
+        self._gone.clear()
+
+    def rejoined(self, token: bytes, peers: PeerTable, client: Peer) -> None:
+        """Serve for the master this replica registered with again (see ``_worker``): its
+        request messages carry ``token``, and its table and client are where data goes."""
+        self._token = token
+        self.set_peers(peers, client)
+
     async def aclose(self) -> None:
         """Abort every request and close every channel; idempotent."""
-        for rid in list(self._requests):
-            self.forget(rid, RequestAborted(rid, "stage shutting down"))
+        self.forget_all("stage shutting down")
         if self._batcher is not None:
             await self._batcher.aclose()
         for out in self._outputs.values():

@@ -427,9 +427,10 @@ class Master:
 
     def _tell_unknown(self, identity: bytes, beat: Heartbeat, why: str) -> None:
         """Tell a worker still beating that this master does not count it as serving (once
-        per worker): it exits as one that lost its master (code 4, logging why), instead of
-        beating on unheard until it gives the master up, and what restarts it registers it
-        anew. Its control socket's identity is its heartbeat socket's, less the suffix."""
+        per registration), instead of letting it beat on unheard until it gives the master
+        up: one started by hand registers again, its stage still set up, and one a launcher
+        started exits (code 4, logging why). Its control socket's identity is its heartbeat
+        socket's, less the suffix."""
         control = identity.removesuffix(pulse_identity(b""))
         if control in self._told:
             return
@@ -497,6 +498,8 @@ class Master:
             local=msg.local_endpoint,
             pidns=msg.pidns,
         )
+        # Should it be dropped again some day (see _tell_unknown), it is told again.
+        self._told.pop(identity, None)
         self.outbox.reachable((msg.data_endpoint,))
         if self.local is not None and msg.local_endpoint and msg.host == self.host:
             self.outbox.set_local(msg.data_endpoint, msg.local_endpoint)

@@ -424,8 +424,9 @@ class Shutdown(_Msg, frozen=True, tag="shutdown"):
 
     reason: str = ""
     #: The master does not count this worker as serving (it declared it dead, or it is a
-    #: master restarted since the worker registered): the worker exits as one that lost its
-    #: master, so that whatever restarts it makes it register anew.
+    #: master restarted since the worker registered): a worker started by hand registers
+    #: again, its stage still set up; one a launcher started exits as one that lost its
+    #: master.
     unknown: bool = False
 
 

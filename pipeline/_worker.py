@@ -8,6 +8,9 @@ embedded :class:`~pipeline.Pipeline` all come here, so there is one code path::
 The worker binds its own ephemeral data port, registers with the master (retrying until
 the master answers, so start order does not matter), sets its stage up, and serves until
 told to shut down. If the master goes silent past the heartbeat timeout it exits cleanly.
+Told by a master that it is not counted as serving (declared dead while it could not beat,
+or the master restarted since), a worker started by hand registers again, its stage still
+set up.
 """
 
 from __future__ import annotations
@@ -192,7 +195,10 @@ class _Worker:
         self.stop = asyncio.Event()
         #: Stopped by Ctrl-C (a worker started by hand).
         self.interrupted = False
-        #: Told by the master that it does not count this worker as serving.
+        #: Told by the master that it does not count this worker as serving: it registers
+        #: again (see :meth:`_rejoin`) unless it is stopping, or exits 4 if a launcher
+        #: started it (``dropped``).
+        self.rejoining = False
         self.dropped = False
         self.last_seen = time.monotonic()
         self.garbage = 0
@@ -242,6 +248,8 @@ class _Worker:
                 self._sweep_after(old, departed)
             case Assignment() if self.assignment is not None and not self.assignment.done():
                 self._handshake.stop()
+                # Its table is the latest until a Peers message that follows it.
+                self.peers = msg.peers
                 self.assignment.set_result(msg)
             case StatsRequest(token=token) if actor is not None:
                 stats = actor.statistics()
@@ -257,12 +265,17 @@ class _Worker:
                 assigned = self.assignment is not None and self.assignment.done()
                 if unknown and assigned and not self.stop.is_set():
                     # Declared dead while it could not beat (stopped, frozen), or its master
-                    # restarted: it exits as one that lost its master, to be started anew.
-                    log.error("dropped_by_master", stage=self.stage, reason=reason)
-                    self.dropped = True
+                    # restarted: a worker started by hand registers again, its stage still
+                    # set up; one a launcher started exits, for its master to start anew.
+                    log.warning("dropped_by_master", stage=self.stage, reason=reason)
+                    self.rejoining = not self.launched
+                    self.dropped = self.launched
                 elif assigned and not self.stop.is_set() and reason != CLOSING:
                     # Not the pipeline's end: say why this worker stops (it was replaced).
                     log.warning("stopped_by_master", stage=self.stage, reason=reason)
+                    self.rejoining = False
+                else:
+                    self.rejoining = False
                 self.stop.set()
                 if self.assignment is not None and not self.assignment.done():
                     # Refused before it was assigned anything (a misplaced or unknown replica).
@@ -438,7 +451,7 @@ class _Worker:
         # order. Until now it kept its default action, so that a setup that hangs, or holds
         # the loop, cannot outlive the master.
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
+        loop.add_signal_handler(signal.SIGTERM, self._terminate)
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             # Started by hand: Ctrl-C stops it in order too (one a launcher started ignores
             # it, and is stopped by its master).
@@ -446,18 +459,72 @@ class _Worker:
         # Start-up's objects (torch, the stage, its weights) are frozen out of every later
         # collection before the first request can arrive.
         _collector.settle()
-        self.send_control(Ready(self.stage, self.replica))
-        log.info("stage_started", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
         defaults = spec.defaults
-        code = await self._watch_master(defaults.heartbeat_interval, 2 * defaults.heartbeat_timeout)
+        master_timeout = 2 * defaults.heartbeat_timeout
+        log.info("stage_started", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
+        code: int | None = None
+        while code is None:
+            self.send_control(Ready(self.stage, self.replica))
+            code = await self._watch_master(defaults.heartbeat_interval, master_timeout)
+            if self.rejoining:
+                code = await self._rejoin(spec, actor, master_timeout)
         await actor.aclose()
         await self._teardown(instance)
         if self.dropped:
             return EXIT_MASTER_LOST
         return EXIT_INTERRUPTED if self.interrupted else code
 
+    async def _rejoin(self, spec: PipelineSpec, actor: StageActor, timeout: float) -> int | None:
+        """Register again with a master that no longer counts this replica (it declared it
+        dead while it could not beat, or it was restarted at its address), keeping the
+        stage as it is set up: a model is not loaded again. None once it serves again; else
+        the exit code (4: no master took it back in ``timeout`` seconds, another worker has
+        its slot, or the master's pipeline is not the one this worker serves).
+
+        Every request held here is dropped first: that master failed those bound to this
+        replica, or never knew them.
+        """
+        self.rejoining = False
+        self.stop.clear()
+        actor.forget_all("its master stopped counting this replica, which registers again")
+        try:
+            assignment = await self.register(timeout)
+        except TimeoutError:
+            if self.stop.is_set():
+                return 0
+            log.error("master_lost", stage=self.stage, silent_for=timeout)
+            return EXIT_MASTER_LOST
+        except Refused as exc:
+            log.error("rejoin_refused", stage=self.stage, replica=self.replica, reason=str(exc))
+            return EXIT_MASTER_LOST
+        try:
+            same = PipelineSpec.from_dict(assignment.spec, source="<master>") == spec
+        except Exception:
+            same = False
+        if not same:
+            log.error(
+                "pipeline_changed",
+                stage=self.stage,
+                replica=self.replica,
+                reason="the master serves another pipeline than this worker set up: start "
+                "the worker anew",
+            )
+            return EXIT_MASTER_LOST
+        assert self.peers is not None  # set with the Assignment
+        departed = self._forget_departed(self.peers)
+        client = self._reachable(assignment.client)
+        self._route(client)
+        actor.rejoined(assignment.token, self.peers, client)
+        actor.readers_gone(departed)
+        log.warning("rejoined", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
+        return None
+
     def _interrupt(self) -> None:
         self.interrupted = True
+        self._terminate()
+
+    def _terminate(self) -> None:
+        self.rejoining = False
         self.stop.set()
 
     def _setup_failed(self, exc: Exception) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -351,6 +352,11 @@ async def test_a_second_worker_is_refused_while_the_first_is_still_setting_up(
 # ---- stagewire master + stagewire submit ---------------------------------------------------
 
 
+def _logged(log: Path, event: str, times: int) -> bool:
+    """Whether ``log`` names ``event`` ``times`` times."""
+    return log.read_text(errors="replace").count(event) == times
+
+
 def _submit(master: str, value: str, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pipeline", "submit", "--master", master, "--input", value,
@@ -572,15 +578,16 @@ async def test_ctrl_c_stops_a_worker_started_by_hand_with_one_line(
 
 
 @pytest.mark.parametrize("how", ["stopped past its timeout", "master restarted"])
-async def test_a_worker_its_master_does_not_count_is_told_and_exits_4(
-    tmp_path: Path, how: str
+async def test_a_worker_its_master_does_not_count_registers_again_its_stage_still_set_up(
+    tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker the master declared dead while it could not beat (stopped, here, past the
     heartbeat timeout), or one whose master was restarted at its address since it
     registered, beat on unheard: the master dropped its heartbeats without a word, and the
-    worker exited 4 claiming its master lost (while that master answered). Now the master
-    tells it, once, and it exits 4 at once saying why, for whatever restarts it to start
-    it anew."""
+    worker exited 4 claiming its master lost (while that master answered). Then it exited
+    4 at once when told, for whatever supervised it to start it anew, loading its model
+    again. Now the master tells it, once, and it registers again as it is: its stage is
+    set up once, and the master serves through it."""
     # Long enough for a new master to start before the worker gives the old one up.
     timeout = "1s" if how == "stopped past its timeout" else "10s"
     config = tmp_path / "echo.yaml"
@@ -590,22 +597,61 @@ async def test_a_worker_its_master_does_not_count_is_told_and_exits_4(
         "stages:\n"
         '  echo: {impl: "tests.pipeline.sample_stages:Echo"}\n'
     )
+    monkeypatch.setenv("STAGEWIRE_LOG_LEVEL", "info")  # the worker logs each setup
     master, procs = await _serving(config, tmp_path)
-    worker, master_log = procs[1], tmp_path / "master.err"
+    worker, master_log, worker_log = procs[1], tmp_path / "master.err", tmp_path / "echo.err"
     try:
+        assert _submit(master, '{"value": "before"}').stdout.split() == ['{"value":"before"}']
         if how == "master restarted":
             procs[0].kill()
             procs[0].wait()
+            master_log = tmp_path / "master2.err"
             procs.append(_start("master", str(config), "--bind", master, err=master_log))
             why = "does not know it"
         else:
-            os.kill(worker.pid, signal.SIGSTOP)
-            await wait_for(lambda: "replica_dead" in master_log.read_text(), 30)
-            os.kill(worker.pid, signal.SIGCONT)
+            # Twice: a worker that registered again is told again when dropped again.
+            for times in (1, 2):
+                os.kill(worker.pid, signal.SIGSTOP)
+                dead = functools.partial(_logged, master_log, "replica_dead", times)
+                await wait_for(dead, 30)
+                os.kill(worker.pid, signal.SIGCONT)
+                await wait_for(functools.partial(_logged, worker_log, "rejoined", times), 30)
             why = "declared it dead"
-        assert await asyncio.to_thread(worker.wait, 30) == 4
-        text = (tmp_path / "echo.err").read_text()
+        await wait_for(lambda: "rejoined" in worker_log.read_text(), 30)
+        await wait_for(lambda: "serving " in master_log.read_text(errors="replace"), 30)
+        done = _submit(master, '{"value": "after"}')
+        assert done.stdout.split() == ['{"value":"after"}'], (done.stdout, done.stderr)
+        text = worker_log.read_text()
         assert "dropped_by_master" in text and why in text, text
-        assert "master_lost" not in text, text
+        assert text.count("stage_started") == 1, text
+        assert "master_lost" not in text and worker.poll() is None, text
+        assert "unknown_worker_told" in master_log.read_text()
+    finally:
+        kill_all(procs)
+
+
+async def test_a_worker_whose_restarted_master_serves_another_pipeline_exits_4(
+    tmp_path: Path,
+) -> None:
+    """A worker set up for one pipeline cannot serve another: told by a master restarted
+    at its address with another config, it exits 4 saying so, to be started anew."""
+    config = tmp_path / "echo.yaml"
+    text = (
+        "name: echo\n"
+        "defaults: {heartbeat_interval: 100ms, heartbeat_timeout: 10s}\n"
+        "stages:\n"
+        '  echo: {impl: "tests.pipeline.sample_stages:Echo", max_concurrency: %d}\n'
+    )
+    config.write_text(text % 4)
+    master, procs = await _serving(config, tmp_path)
+    worker = procs[1]
+    try:
+        procs[0].kill()
+        procs[0].wait()
+        config.write_text(text % 8)
+        procs.append(_start("master", str(config), "--bind", master, err=tmp_path / "m2.err"))
+        assert await asyncio.to_thread(worker.wait, 30) == 4
+        log = (tmp_path / "echo.err").read_text()
+        assert "pipeline_changed" in log and "start the worker anew" in log, log
     finally:
         kill_all(procs)
