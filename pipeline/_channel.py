@@ -1012,18 +1012,19 @@ class InputChannel:
         got = inflow.buffer.get_nowait()
         if got is None:
             return NOT_READY
-        (name, descriptor, sender), final = got
+        (name, descriptor, _), final = got
         inline = self._inline
         if descriptor is None or name != "inline" or inline is None:
             if descriptor is None:
                 return self._deliver(inflow, got[0], final)
             inflow.held = got  # a transport to fetch from: next() awaits it
             return NOT_READY
-        value = inline.read(descriptor, self._codec)  # type: ignore[arg-type]
-        inflow.taken += 1
-        if not final and inflow.taken >= inflow.credit_due:
-            self._credit(inflow, sender)
-        return value
+        try:
+            return inline.read(descriptor, self._codec)  # type: ignore[arg-type]
+        finally:
+            # Taken even when it does not decode: a handler that reads on past the error
+            # must not find its producer waiting for credit for that chunk.
+            self._took(inflow, got[0], final)
 
     async def next(self, inflow: Inflow) -> Any:
         """The next payload of a request on this edge, in order, returning credit as it goes.
@@ -1066,6 +1067,9 @@ class InputChannel:
         except BaseException:
             if inflow.fetching is fetching:
                 inflow.fetching = None
+                # Taken, though it could not be fetched or decoded: a handler that reads on
+                # past the error must not find its producer waiting for its credit.
+                self._took(inflow, item, final)
             raise
         if inflow.fetching is not fetching:
             # The request ended meanwhile (Inflow.end): the reader gets its end, not a
@@ -1073,28 +1077,35 @@ class InputChannel:
             inflow.buffer.get_nowait()  # raises EndOfChannel, or the abort's error
             raise EndOfChannel(inflow.buffer.request_id)
         inflow.fetching = None
+        self._took(inflow, item, final)
+        return value
+
+    def _took(self, inflow: Inflow, item: Item, final: bool) -> None:
+        """Count a chunk the reader has taken (its payload read, or failed), returning
+        credit when it is due, and telling when every payload of the request is here."""
         inflow.taken += 1
-        if item[0] != "inline":
+        if item[0] != "inline" and item[1] is not None:
             inflow.unfetched -= 1
-        if not inflow.unfetched and self.on_got_all is not None and inflow.buffer.complete:
-            self.on_got_all(inflow.buffer.request_id)
+            if not inflow.unfetched and self.on_got_all is not None and inflow.buffer.complete:
+                self.on_got_all(inflow.buffer.request_id)
         if not final and inflow.taken >= inflow.credit_due:
             self._credit(inflow, item[2])
-        return value
 
     def _deliver(self, inflow: Inflow, item: Item, final: bool) -> Any:
         """An inline item's payload (or the end of the stream), returning credit."""
         descriptor = item[1]
-        if descriptor is None:
-            if final:
-                raise EndOfChannel
-            raise PayloadError(f"chunk without payload on edge {self.plan.name!r} before its end")
-        assert self._inline is not None
-        value = self._inline.read(descriptor, self._codec)  # type: ignore[arg-type]
-        inflow.taken += 1
-        if not final and inflow.taken >= inflow.credit_due:
-            self._credit(inflow, item[2])
-        return value
+        if descriptor is None and final:
+            raise EndOfChannel
+        try:
+            if descriptor is None:
+                raise PayloadError(
+                    f"chunk without payload on edge {self.plan.name!r} before its end"
+                )
+            assert self._inline is not None
+            return self._inline.read(descriptor, self._codec)  # type: ignore[arg-type]
+        finally:
+            # Taken even when it does not decode (see poll).
+            self._took(inflow, item, final)
 
     def _credit(self, inflow: Inflow, sender: str) -> None:
         """Tell ``sender`` that every chunk taken so far may be replaced by new ones, and how

@@ -14,7 +14,7 @@ from typing import Any, TextIO
 import msgspec
 from pydantic import BaseModel, field_validator
 
-from pipeline import Context, Outputs, Stage, Stream
+from pipeline import Context, Outputs, PayloadError, Stage, Stream
 from stages.text import Text, Token
 
 #: Simulated compute before each chunk of Crunch.
@@ -172,6 +172,31 @@ async def _line_through_fifo() -> None:
             return fifo.readline()
 
     await asyncio.wait_for(asyncio.to_thread(released), 60)
+
+
+class SomeBad(Stage):
+    """Streams ``int(text.value)`` tokens, every second one malformed (its index a string,
+    where the consumer's Token wants an int), as a producer with a bug would."""
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Token]:
+        for i in range(int(text.value)):
+            yield Token("bad" if i % 2 else i, "x")  # type: ignore[arg-type]  # on purpose
+
+
+class SkipsBad(Stage):
+    """Reads its stream on past the chunks that do not decode; says how many of each."""
+
+    async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
+        good = bad = 0
+        while True:
+            try:
+                await anext(tokens)
+            except StopAsyncIteration:
+                return Text(f"{good} good, {bad} bad")
+            except PayloadError:
+                bad += 1
+            else:
+                good += 1
 
 
 class First(Stage):

@@ -137,3 +137,18 @@ async def test_several_sinks_report_which_sink_spoke() -> None:
             ("b", "yo"),
             ("c", "yo"),
         ]
+
+
+@pytest.mark.parametrize("transport", ["inline", "network"])
+async def test_a_stream_read_on_past_chunks_that_do_not_decode_completes(transport: str) -> None:
+    """A handler may catch a chunk's PayloadError and read on. Such a chunk was taken but
+    never credited, so its producer's window shrank by one each time, and a long stream
+    stalled until it failed with ChunkGap. (Fetched payloads, over network, fail to decode
+    in a path of their own.)"""
+    s = spec(
+        {"bad": ":SomeBad", "skips": ":SkipsBad"}, [("bad", "skips")],
+        transport=transport, window=8, chunk_timeout="5s",
+    )  # fmt: skip
+    async with Pipeline(s) as pipe:
+        out = await asyncio.wait_for(pipe.submit(Text("200")), 60)
+    assert out == Text("100 good, 100 bad")
