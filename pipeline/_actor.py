@@ -912,7 +912,15 @@ class StageActor:
             for dst, out in self._outputs.items():
                 part = getattr(value, dst)
                 if part is not None:
-                    await self._send(out, rid, out.codec.encode(part), final, req, dst)
+                    try:
+                        encoded_part = out.codec.encode(part)
+                    except PayloadError as exc:
+                        name = type(value).__name__
+                        raise PayloadError(
+                            f"field {dst!r} of {name} (the payload for stage {dst!r}): {exc}",
+                            field=f"{dst}{(exc.field or '$')[1:]}",
+                        ) from exc
+                    await self._send(out, rid, encoded_part, final, req, dst)
                 elif final:
                     await self._send(out, rid, None, True, req, dst)
             return

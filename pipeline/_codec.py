@@ -28,6 +28,8 @@ import functools
 import math
 import sys
 import threading
+import types
+import typing
 from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
@@ -35,7 +37,7 @@ import msgspec
 from ._encoded import DECODE_ERRORS, Buffer, Encoded
 from ._errors import ConfigError, PayloadError
 
-__all__ = ("PayloadCodec", "codec_for", "resolve_device")
+__all__ = ("PayloadCodec", "codec_for", "resolve_device", "type_name")
 
 T = TypeVar("T")
 
@@ -167,7 +169,7 @@ def _array_bytes(a: Any) -> tuple[str, tuple[int, ...], str, Buffer]:
 def _enc_hook(obj: Any) -> Any:
     """Replace a tensor or array by an extension record and queue its bytes as a buffer."""
     on_device = None
-    if type(obj).__module__.startswith("torch") and isinstance(obj, sys.modules["torch"].Tensor):
+    if (torch := sys.modules.get("torch")) is not None and isinstance(obj, torch.Tensor):
         code, (dtype, shape, device, buf, on_device) = _EXT_TENSOR, _tensor_bytes(obj)
     elif (np := sys.modules.get("numpy")) is not None and isinstance(obj, np.ndarray):
         code, (dtype, shape, device, buf) = _EXT_NDARRAY, _array_bytes(obj)
@@ -251,8 +253,9 @@ def _decode_tensor(ref: _Ref) -> Any:
         return t
     try:
         return t.to(ref.device)
-    # torch raises AssertionError, not RuntimeError, when it was built without CUDA.
-    except (RuntimeError, AssertionError, ValueError) as e:
+    # torch raises AssertionError, not RuntimeError, when it was built without CUDA, and
+    # ModuleNotFoundError for a device whose backend package is not installed (hpu).
+    except Exception as e:
         raise PayloadError(
             f"a tensor was sent from device {ref.device!r}, which this process cannot use: {e}"
         ) from e
@@ -379,6 +382,26 @@ def _encode_error(value: Any, e: Exception) -> PayloadError:
     return PayloadError(f"cannot encode payload{at}: {e.reason}", field=where)
 
 
+def _narrowed(value: Any, cls: type[msgspec.Struct]) -> Any:
+    """An instance of ``cls`` with the fields ``value`` (of a subclass) has of ``cls``."""
+    return cls(**{f: getattr(value, f) for f in cls.__struct_fields__})
+
+
+def type_name(tp: Any) -> str:
+    """A type as a message names it: ``Base``, ``Base | None``, ``list[Token]``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is None or not args:
+        if tp is type(None):
+            return "None"
+        if isinstance(tp, type):
+            return tp.__qualname__
+        return repr(tp).replace("typing.", "")
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    name = getattr(origin, "__qualname__", None) or repr(origin).replace("typing.", "")
+    return f"{name}[{', '.join(type_name(a) for a in args)}]"
+
+
 class PayloadCodec(Generic[T]):
     """Encodes values of one declared type to :class:`Encoded`, and decodes them back.
 
@@ -390,18 +413,25 @@ class PayloadCodec(Generic[T]):
         type: the declared payload type.
     """
 
-    __slots__ = ("_check", "_decoder", "_decoder_onto", "type")
+    __slots__ = ("_check", "_decoder", "_decoder_onto", "_narrow", "type")
 
     def __init__(self, type_: type[T] | Any) -> None:
         self.type = type_
         # Only a plain class can be checked with isinstance; generics and Any cannot.
         self._check: type | None = type_ if isinstance(type_, type) and type_ is not Any else None
+        #: A Struct class: an instance of a subclass travels as one of this class.
+        self._narrow: type[msgspec.Struct] | None = (
+            self._check if self._check is not None and issubclass(self._check, msgspec.Struct)
+            else None
+        )  # fmt: skip
         try:
             self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(
                 type_, ext_hook=_ext_hook, dec_hook=_dec_hook
             )
-        except TypeError as e:
-            raise PayloadError(f"cannot build a codec for {type_!r}: {e}") from e
+        # TypeError for a type msgspec cannot decode, NameError for an annotation naming
+        # something that does not exist.
+        except Exception as e:
+            raise PayloadError(f"cannot build a codec for {type_name(type_)}: {e}") from e
         #: The decoder of decodes that name a device, built on the first one.
         self._decoder_onto: msgspec.msgpack.Decoder[T] | None = None
 
@@ -415,13 +445,20 @@ class PayloadCodec(Generic[T]):
                 cannot be encoded (the message names where).
         """
         check = self._check
-        if check is not None and not isinstance(value, check):
-            raise PayloadError(f"expected {check.__qualname__}, got {type(value).__qualname__}")
+        if check is not None and type(value) is not check:
+            if not isinstance(value, check):
+                raise PayloadError(f"expected {check.__qualname__}, got {type(value).__qualname__}")
+            if self._narrow is not None:
+                # Its consumer decodes the declared class: a subclass's tag or extra fields
+                # would not decode there.
+                value = _narrowed(value, self._narrow)
         # Only the encode hook sets ``outgoing``, and every exit below clears it again, so
         # a payload without tensors touches the thread-local state once.
         try:
             header = _ENCODER.encode(value)
-        except (TypeError, ValueError, OverflowError) as e:
+        # TypeError, ValueError, OverflowError from msgspec; torch's own errors for tensors
+        # it cannot give bytes of (nested tensors, strided sub-byte dtypes).
+        except Exception as e:
             _state.outgoing = _state.outgoing_device = None
             raise _encode_error(value, e) from e
         except BaseException:

@@ -16,8 +16,13 @@ import msgspec
 __all__ = ("DECODE_ERRORS", "NO_DEVICE_BUFFERS", "Buffer", "Encoded", "to_host")
 
 #: What msgspec raises for undecodable bytes. Invalid UTF-8 in a string surfaces as
-#: UnicodeDecodeError rather than DecodeError, so every wire boundary catches both.
-DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, UnicodeDecodeError)
+#: UnicodeDecodeError rather than DecodeError, and a header nested past the interpreter's
+#: recursion limit as RecursionError, so every wire boundary catches all three.
+DECODE_ERRORS: tuple[type[Exception], ...] = (
+    msgspec.DecodeError,
+    UnicodeDecodeError,
+    RecursionError,
+)
 
 #: A contiguous run of bytes: ``bytes``, ``bytearray`` or a ``memoryview`` of format ``B``.
 Buffer = bytes | bytearray | memoryview

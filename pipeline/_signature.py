@@ -20,9 +20,10 @@ from typing import Any
 import msgspec
 from pydantic import AliasChoices, AliasPath, BaseModel, RootModel, ValidationError
 
+from pipeline._codec import codec_for, type_name
 from pipeline._config import PipelineSpec, StageSpec, TransportSpec
 from pipeline._edge_transport import EdgeTransports, resolve_edge_transports
-from pipeline._errors import ConfigError
+from pipeline._errors import ConfigError, PayloadError
 from pipeline._keys import CLIENT, edge_name
 from pipeline._stage import Context, Outputs, Stage, Stream
 from pipeline._yaml import YamlDocument
@@ -213,15 +214,33 @@ def inspect_stage(cls: type[Stage], stage: str) -> StageSignature:
 
 
 def _compatible(produced: Any, consumed: Any) -> bool:
-    if consumed is Any or produced == consumed:
-        return True
+    return consumed is Any or produced == consumed or _is_subclass(produced, consumed)
+
+
+def _is_subclass(produced: Any, consumed: Any) -> bool:
+    """Whether ``produced`` is a class strictly derived from the class ``consumed``."""
     return (
-        isinstance(produced, type) and isinstance(consumed, type) and issubclass(produced, consumed)
+        isinstance(produced, type)
+        and isinstance(consumed, type)
+        and produced is not consumed
+        and issubclass(produced, consumed)
     )
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__qualname__", None) or repr(tp)
+def _check_codecs(stages: dict[str, StagePlan]) -> None:
+    """Refuse an edge whose payload type the wire codec cannot carry, before any process
+    starts: a union of untagged Structs, a field no payload can hold, a name that does not
+    resolve. The processes would fail at start-up or at every request otherwise."""
+    for name, plan in stages.items():
+        for edge in (*plan.outputs.values(), *plan.inputs.values()):
+            try:
+                codec_for(edge.payload_type)
+            except PayloadError as exc:
+                raise ConfigError(
+                    f"edge {edge.name}: its payload type {type_name(edge.payload_type)} "
+                    f"cannot travel between processes: {exc}",
+                    path=f"stages.{name}",
+                ) from None
 
 
 def _validate_params(spec: StageSpec, cls: type[Stage], stage: str) -> Any:
@@ -391,6 +410,7 @@ def _build(spec: PipelineSpec) -> PipelinePlan:
             stages[name].outputs[dst] = _edge_plan(spec, name, dst, out_tp, sig.streaming_output)
         upstream = spec.upstream(name) or [CLIENT]
         _bind_inputs(spec, stages, sigs, name, upstream)
+    _check_codecs(stages)
     if all(e.transport is not None for e in spec.edges):
         # No edge takes the default: it is checked all the same, since the next edge added
         # would (and a typo there was accepted until then).
@@ -464,21 +484,24 @@ def _bind_inputs(
         ename = edge_name(up, name)
         if not _compatible(produced, inp.type):
             raise ConfigError(
-                f"edge {ename}: {up!r} produces {_type_name(produced)} but {name!r} "
-                f"expects {_type_name(inp.type)} (parameter {inp.name!r})",
+                f"edge {ename}: {up!r} produces {type_name(produced)} but {name!r} "
+                f"expects {type_name(inp.type)} (parameter {inp.name!r})",
                 path=path,
             )
         if streaming and not inp.streaming:
             raise ConfigError(
                 f"edge {ename}: {up!r} streams but {name!r} takes exactly one chunk; "
-                f"annotate parameter {inp.name!r} as Stream[{_type_name(inp.type)}]",
+                f"annotate parameter {inp.name!r} as Stream[{type_name(inp.type)}]",
                 path=path,
             )
         is_struct = isinstance(inp.type, type) and issubclass(inp.type, msgspec.Struct)
         if not is_struct and inp.type is not Any:
             raise ConfigError(
                 f"parameter {inp.name!r} of {name!r} must be a msgspec.Struct payload, "
-                f"not {_type_name(inp.type)}",
+                f"not {type_name(inp.type)}",
                 path=path,
             )
-        stages[name].inputs[inp.name] = _edge_plan(spec, up, name, inp.type, streaming)
+        # A producer of a subclass sends instances of it, which decode as it: as the
+        # consumer's class they would not, should that be tagged or forbid unknown fields.
+        wire = produced if _is_subclass(produced, inp.type) else inp.type
+        stages[name].inputs[inp.name] = _edge_plan(spec, up, name, wire, streaming)

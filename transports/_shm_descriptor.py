@@ -35,6 +35,10 @@ LOW32 = 0xFFFFFFFF
 _Size = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 
 
+#: The most buffers (tensors and arrays) one payload may have: its descriptor lists each.
+MAX_BUFFERS = 2**16
+
+
 class ShmDescriptor(Descriptor, frozen=True, tag="shm", array_like=True):
     """Where one payload lies: a segment's extent, and how to cut it into header and buffers.
 
@@ -55,7 +59,7 @@ class ShmDescriptor(Descriptor, frozen=True, tag="shm", array_like=True):
     generation: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
     offset: _Size
     header_size: _Size
-    buffer_sizes: Annotated[tuple[_Size, ...], msgspec.Meta(max_length=2**16)]
+    buffer_sizes: Annotated[tuple[_Size, ...], msgspec.Meta(max_length=MAX_BUFFERS)]
 
 
 DESCRIPTOR_DECODER = msgspec.msgpack.Decoder(ShmDescriptor)

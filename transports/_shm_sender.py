@@ -21,6 +21,7 @@ from transports._resource import AsyncResource
 from transports._shm_arena import Arena, align_up
 from transports._shm_descriptor import (
     LOW32,
+    MAX_BUFFERS,
     ShmDescriptor,
     ShmOccupancy,
     byte_view,
@@ -138,8 +139,9 @@ class ShmSender(AsyncResource):
 
         Raises:
             TransportFull: no room freed up within ``timeout`` (None waits for ever), or
-                there will never be room: the payload exceeds the whole capacity, or
-                /dev/shm lacks the space for the segment (both at once, without waiting).
+                there will never be room: the payload exceeds the whole capacity, has more
+                than MAX_BUFFERS buffers, or /dev/shm lacks the space for the segment (each
+                at once, without waiting).
                 ``auto`` edges fall back to another transport on it.
             TransportError: the sender is closed (also while waiting).
         """
@@ -151,6 +153,14 @@ class ShmSender(AsyncResource):
             # take them; a caller that did not gets the same treatment here.
             encoded = to_host(encoded)
         header = encoded.header
+        if len(encoded.buffers) > MAX_BUFFERS:
+            # Its descriptor would be refused by every receiver.
+            raise self._error(
+                f"{key}: a payload of {len(encoded.buffers)} tensors and arrays; one sent by "
+                f"shm holds at most {MAX_BUFFERS}: stack them into fewer, or send it another "
+                "way",
+                TransportFull,
+            )
         views = [byte_view(b) for b in encoded.buffers]
         sizes = tuple(v.nbytes for v in views)
         need = extent_size(len(header), sizes)

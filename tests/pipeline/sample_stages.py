@@ -313,10 +313,12 @@ class Split(Outputs):
 
 
 class Pre(Stage):
-    """Sends pixels to 'encode' and ids to 'prefill'."""
+    """Sends pixels to 'encode' and ids to 'prefill'; on "mixed up", ids to both."""
 
     async def process(self, text: Text, ctx: Context) -> Split:
         codes = [ord(c) for c in text.value]
+        if text.value == "mixed up":
+            return Split(encode=Ids(codes), prefill=Ids(codes))  # type: ignore[arg-type]
         return Split(encode=Pixels(codes), prefill=Ids([len(codes)]))
 
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pipeline._codec import PayloadCodec, codec_for
+from pipeline._codec import PayloadCodec, codec_for, type_name
 from pipeline._encoded import Encoded
 from pipeline._errors import PayloadError
 
@@ -369,6 +369,82 @@ def test_encode_unsupported_values(value: Any) -> None:
     """Object arrays, numpy scalars, sparse and meta tensors are refused with PayloadError."""
     with pytest.raises(PayloadError, match=r"not supported|no data"):
         codec_for(Any).encode({"x": value})
+
+
+def test_a_tensor_torch_cannot_give_bytes_of_is_a_payload_error() -> None:
+    """A nested tensor made torch raise its own error (RuntimeError), not PayloadError."""
+    with pytest.warns(UserWarning, match="nested"):
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    with pytest.raises(PayloadError, match="cannot encode payload"):
+        codec_for(Any).encode({"x": nested})
+
+
+class _Labelled(torch.Tensor):
+    """A tensor subclass defined outside torch."""
+
+
+def test_a_tensor_subclass_of_any_module_encodes_as_a_tensor() -> None:
+    """One defined outside torch's modules was refused as an unsupported object."""
+    t = torch.arange(4.0).as_subclass(_Labelled)
+    out = codec_for(Image).decode(codec_for(Image).encode(Image(t)))
+    assert torch.equal(out.pixels, torch.arange(4.0))
+
+
+class _Tagged(msgspec.Struct, tag=True):
+    n: int
+
+
+class _TaggedChild(_Tagged, tag=True):
+    extra: int = 0
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True):
+    n: int
+
+
+class _StrictChild(_Strict):
+    extra: int = 0
+
+
+@pytest.mark.parametrize(
+    ("base", "child"), [(_Tagged, _TaggedChild), (_Strict, _StrictChild)], ids=["tag", "strict"]
+)
+def test_an_instance_of_a_subclass_travels_as_its_declared_class(base: Any, child: Any) -> None:
+    """A stage declared to return a class, returning a subclass's instance: its consumer
+    decodes the declared class, which refused the subclass's tag or extra field."""
+    codec = codec_for(base)
+    assert codec.decode(codec.encode(child(3, extra=9))) == base(3)
+
+
+def test_a_header_nested_past_the_recursion_limit_is_a_payload_error() -> None:
+    """msgspec raises RecursionError for it, which escaped every wire boundary."""
+    header = b"\x81\xa1x" + b"\x91" * 200_000 + b"\xc0"
+    with pytest.raises(PayloadError, match="malformed"):
+        codec_for(Any).decode(Encoded(header))
+
+
+def test_a_tensor_from_a_device_backend_not_installed_here_is_a_payload_error() -> None:
+    """torch raises ModuleNotFoundError for such a device (hpu), which escaped."""
+    encoded = codec_for(Image).encode(Image(torch.zeros(2)))
+    ref = msgspec.msgpack.encode(("float32", (2,), 0, "hpu"))
+    header = msgspec.msgpack.encode({"pixels": msgspec.msgpack.Ext(1, ref)})
+    with pytest.raises(PayloadError, match="'hpu'"):
+        codec_for(Image).decode(Encoded(header, encoded.buffers))
+
+
+@pytest.mark.parametrize(
+    ("tp", "name"),
+    [
+        (Text, "Text"),
+        (Text | None, "Text | None"),
+        (list[Text], "list[Text]"),
+        (dict[str, Text | int], "dict[str, Text | int]"),
+        (Any, "Any"),
+    ],
+)
+def test_types_are_named_as_written(tp: Any, name: str) -> None:
+    """Messages named typing aliases by their class: "produces Optional but expects Base"."""
+    assert type_name(tp) == name
 
 
 @pytest.mark.parametrize(

@@ -193,3 +193,99 @@ def test_a_params_validator_that_raises_anything_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"ExplodingParams\.Params raised RuntimeError") as info:
         build_plan(s)
     assert info.value.path == "stages.x.params"
+
+
+class Left(msgspec.Struct):
+    """One of two untagged Structs, which no union can tell apart on the wire."""
+
+    n: int
+
+
+class Right(msgspec.Struct):
+    """The other."""
+
+    s: str
+
+
+class MakesEither(Stage):
+    """Returns a union msgspec cannot decode."""
+
+    async def process(self, text: Text, ctx: Context) -> Left | Right:
+        return Left(1)
+
+
+class Dangling(msgspec.Struct):
+    """A field whose annotation names nothing that exists."""
+
+    child: Missing | None = None  # type: ignore[name-defined]  # noqa: F821  # on purpose
+
+
+class MakesDangling(Stage):
+    """Returns a Struct whose annotations do not resolve."""
+
+    async def process(self, text: Text, ctx: Context) -> Dangling:
+        return Dangling()
+
+
+class Tagged(msgspec.Struct, tag=True):
+    """A tagged base: its decoder takes its own tag only."""
+
+    n: int
+
+
+class TaggedChild(Tagged, tag=True):
+    """A tagged subclass."""
+
+    extra: int = 0
+
+
+class MakesTaggedChild(Stage):
+    """Produces the subclass."""
+
+    async def process(self, text: Text, ctx: Context) -> TaggedChild:
+        return TaggedChild(len(text.value), 7)
+
+
+class TakesTagged(Stage):
+    """Consumes the base class."""
+
+    async def process(self, x: Tagged, ctx: Context) -> Text:
+        return Text(f"{type(x).__name__} {x.n}")
+
+
+@pytest.mark.parametrize(
+    ("impl", "match"),
+    [
+        ("MakesEither", r"edge only->@client: its payload type Left \| Right cannot travel"),
+        ("MakesDangling", r"payload type Dangling cannot travel .* 'Missing' is not defined"),
+    ],
+)
+def test_a_payload_type_the_codec_cannot_carry_is_a_config_error(impl: str, match: str) -> None:
+    """A type msgspec cannot decode passed the build and `validate`, then failed the start
+    with a worker's traceback, or every request (a NameError escaped the start itself)."""
+    with pytest.raises(ConfigError, match=match) as info:
+        _build({"only": f"tests.pipeline.test_plan:{impl}"}, [])
+    assert "stages.only" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_consumer_of_a_base_class_decodes_its_producers_subclass() -> None:
+    """A subclass of the consumer's class passes the check; it must also decode. As the
+    consumer's (tagged) class, a subclass's tag did not, and every request failed."""
+    plan = build_plan(
+        spec(
+            {
+                "a": "tests.pipeline.test_plan:MakesTaggedChild",
+                "b": "tests.pipeline.test_plan:TakesTagged",
+            },
+            [("a", "b")],
+        )
+    )
+    assert plan.stages["b"].inputs["x"].payload_type is TaggedChild
+
+
+async def test_a_subclass_travels_to_a_consumer_of_its_base_class() -> None:
+    """End to end, in real processes: the consumer gets the producer's subclass."""
+    here = "tests.pipeline.test_plan"
+    s = spec({"a": f"{here}:MakesTaggedChild", "b": f"{here}:TakesTagged"}, [("a", "b")])
+    async with Pipeline(s) as pipe:
+        assert await pipe.submit(Text("four")) == Text("TaggedChild 4")

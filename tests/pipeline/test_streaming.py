@@ -8,7 +8,7 @@ import os
 import pytest
 import pytest_asyncio
 
-from pipeline import Pipeline, SinkOutput
+from pipeline import PayloadError, Pipeline, SinkOutput
 from stages.text import Text
 from tests.pipeline.conftest import spec
 
@@ -97,6 +97,10 @@ async def test_different_payloads_to_different_stages_and_join_by_request() -> N
         words = [f"req{i}-" + "z" * (i % 9) for i in range(60)]
         outs = await asyncio.gather(*(pipe.submit(Text(w)) for w in words))
         assert [o.value for o in outs] == [f"{w}|{len(w)}" for w in words]
+        # A field holding the wrong type: the error names it (it said "expected Pixels, got
+        # Ids", not where).
+        with pytest.raises(PayloadError, match=r"field 'encode' of Split .*expected Pixels"):
+            await pipe.submit(Text("mixed up"))
 
 
 async def test_batching_groups_concurrent_requests() -> None:

@@ -36,6 +36,7 @@ from pipeline._keys import ChunkKey
 from pipeline.testing import TransportConformance
 from transports import EdgeContext, Transport
 from transports._shm_arena import ALIGN, Arena
+from transports._shm_descriptor import DESCRIPTOR_DECODER
 from transports._shm_segment import PREFIX, SHM_DIR, free_space
 from transports.shm import (
     DEFAULT_CAPACITY,
@@ -521,6 +522,19 @@ async def test_oversize_payload_fails_at_once(ends: tuple[ShmSender, ShmReceiver
         await _within(sender.put(_key(), _blob(1, 5 * MiB), timeout=60), 5.0)
     assert time.monotonic() - start < 1.0
     assert sender.segment_name is None
+
+
+async def test_a_payload_of_more_buffers_than_a_descriptor_lists_is_full_at_once(
+    ends: tuple[ShmSender, ShmReceiver],
+) -> None:
+    """More tensors than a descriptor may list: every receiver refused its descriptor as
+    garbage, failing the request at the consumer. Refused at put, as TransportFull, an auto
+    edge sends it inline instead."""
+    sender, _ = ends
+    with pytest.raises(TransportFull, match="at most 65536: stack them"):
+        await _within(sender.put(_key(), Encoded(b"h", (b"",) * (2**16 + 1)), timeout=60), 5.0)
+    desc = await _within(sender.put(_key(), Encoded(b"h", (b"",) * 2**16), timeout=60), 5.0)
+    assert len(DESCRIPTOR_DECODER.decode(msgspec.msgpack.encode(desc)).buffer_sizes) == 2**16
 
 
 async def test_free_space_is_checked_before_creating() -> None:
