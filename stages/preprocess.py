@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from numpy.typing import NDArray
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from pipeline import Context, Stage
 from stages import tokenizer
@@ -119,17 +119,26 @@ def _decoding(data: bytes) -> Iterator[None]:
 
 def _jpeg_scans(data: bytes) -> int:
     """How many scans (SOS segments) the JPEG ``data`` has, counting up to one past
-    :data:`MAX_JPEG_SCANS`. Malformed data counts what it can: the decoder reports it."""
+    :data:`MAX_JPEG_SCANS`, as the decoder finds them. Malformed data counts what it can:
+    the decoder reports it."""
     scans, at, end = 0, 2, len(data)
     while at + 4 <= end and scans <= MAX_JPEG_SCANS:
         if data[at] != 0xFF:
-            return scans
+            # Bytes between segments: the decoder skips them to the next 0xFF and reads on,
+            # so counting must too (one junk byte hid every scan after it).
+            at = data.find(b"\xff", at)
+            if at == -1:
+                return scans
+            continue
         marker = data[at + 1]
         if marker == 0xFF:  # fill byte before a marker
             at += 1
             continue
         if marker == 0xD9:  # end of image
             return scans
+        if marker in _STANDALONE_MARKERS:
+            at += 2
+            continue
         at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
         if marker != 0xDA:
             continue
@@ -146,9 +155,38 @@ def _jpeg_scans(data: bytes) -> int:
     return scans
 
 
+#: JPEG markers without a length: TEM, the restart markers and SOI.
+_STANDALONE_MARKERS = frozenset((0x01, *range(0xD0, 0xD9)))
+
+#: How to turn an image of each EXIF orientation upright.
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """``image`` turned as its EXIF orientation says. Other EXIF tags are not read: a broken
+    one, common in photos, made ``ImageOps.exif_transpose`` (which writes the EXIF back)
+    fail the image with a TypeError. Unreadable EXIF counts as upright."""
+    try:
+        method = _UPRIGHT.get(image.getexif().get(_ORIENTATION))
+    except Exception:  # any fault of a malformed EXIF block
+        return image
+    return image.transpose(method) if method is not None else image
+
+
+_ORIENTATION = 0x0112
+
+
 def _rgb_array(image: Image.Image, data: bytes) -> NDArray[np.uint8]:
     """``image`` (decoded from ``data``) upright, as ``uint8`` RGB ``(height, width, 3)``."""
-    image = ImageOps.exif_transpose(image)
+    image = _upright(image)
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):
         # 16-bit grey PNGs: convert() would clip every value above 255, so scale them.
         wide = np.asarray(image).astype(np.uint32)

@@ -192,6 +192,30 @@ def test_a_jpeg_of_thousands_of_scans_is_refused_before_it_is_decoded() -> None:
         _decoded(_more_scans(progressive, 10_000))
 
 
+def test_bytes_between_segments_hide_no_scan_from_the_count() -> None:
+    """The decoder skips junk bytes between segments and decodes every scan after them,
+    which the count stopped at: one zero byte before the first scan let any number through
+    (7000 scans of a 4096x4096 image held the stage for 38 s)."""
+    bomb = _more_scans(encoded(_rgb(48, 64), "JPEG", progressive=True), 200)
+    first = bomb.index(b"\xff\xda")
+    with pytest.raises(InvalidRequest, match=f"JPEG has over {MAX_JPEG_SCANS} scans"):
+        _decoded(bomb[:first] + b"\x00\x00" + bomb[first:])
+
+
+def test_a_broken_exif_tag_does_not_cost_the_image_its_orientation() -> None:
+    """A photo whose EXIF holds a tag of the wrong type (a text tag retagged as a rational):
+    Pillow's exif_transpose, writing the EXIF back, raised a bare TypeError for it, failing
+    an image whose pixels and orientation read fine."""
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: turned 90 degrees
+    exif[0x010F] = "cam"  # Make, an ASCII tag
+    good = encoded(_rgb(40, 48), "JPEG", exif=exif)
+    at = good.index(b"\x01\x0f\x00\x02")  # the Make entry (tag, then its type: ASCII)
+    bad = good[:at] + b"\x01\x1a" + good[at + 2 :]  # now XResolution, which is RATIONAL
+    assert _decoded(bad).shape == (48, 40, 3) == _decoded(good).shape
+    assert np.array_equal(_decoded(bad), _decoded(good))
+
+
 def test_a_sixteen_bit_transparent_grey_shows_white_and_a_sixteen_bit_rgb_key_is_refused() -> None:
     """A tRNS key is given in the image's own 16 bits: the transparent grey level is matched
     before scaling (it kept its grey); a 16-bit RGB key cannot be matched against the 8-bit
