@@ -175,9 +175,10 @@ def _upright(image: Image.Image) -> Image.Image:
     one, common in photos, made ``ImageOps.exif_transpose`` (which writes the EXIF back)
     fail the image with a TypeError. Unreadable EXIF counts as upright."""
     try:
-        method = _UPRIGHT.get(image.getexif().get(_ORIENTATION))
+        orientation = image.getexif().get(_ORIENTATION)
     except Exception:  # any fault of a malformed EXIF block
         return image
+    method = _UPRIGHT.get(orientation) if isinstance(orientation, int) else None
     return image.transpose(method) if method is not None else image
 
 
