@@ -355,6 +355,9 @@ class GreedyDecoding:
     def __init__(
         self, decoder: Decoder, first_token: int, cache: list[LayerKV], max_new_tokens: int
     ) -> None:
+        if max_new_tokens < 1:
+            # The first token comes from prefill: decoding always emits it, unless EOS.
+            raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
         self._decoder = decoder
         self.token = first_token
         self.cache = cache
@@ -406,10 +409,13 @@ def generate(model: TinyVLM, pixels: Tensor, ids: list[int], max_new_tokens: int
         model: the loaded model.
         pixels: a normalised image, ``(3, size, size)``.
         ids: the prompt's token ids, BOS first.
-        max_new_tokens: the most tokens to generate.
+        max_new_tokens: the most tokens to generate, at least 1.
 
     Returns:
         The generated token ids, EOS excluded.
+
+    Raises:
+        ValueError: ``max_new_tokens`` is below 1.
     """
     layers = list(model.decoder.prefill(model.vision(pixels), ids))
     first = layers[-1].first_token

@@ -126,6 +126,15 @@ def test_greedy_decoding_stops_at_max_new_tokens(model: TinyVLM) -> None:
     assert decoding.stop_reason == "max_new_tokens"
 
 
+@pytest.mark.parametrize("budget", [0, -1])
+def test_a_budget_of_no_token_is_refused(model: TinyVLM, budget: int) -> None:
+    """Prefill makes the first token, so decoding emits at least one: asked for none, the
+    reference generate() returned one."""
+    pixels, ids = _inputs(1)[0]
+    with pytest.raises(ValueError, match=f"max_new_tokens must be at least 1, not {budget}"):
+        generate(model, pixels, ids, budget)
+
+
 def test_greedy_decoding_stops_when_the_context_is_full(model: TinyVLM) -> None:
     """With a large budget, decoding fills the context exactly and stops there."""
     # This input's greedy continuation never reaches EOS (checked by the stop reason).
