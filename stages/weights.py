@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import TypeVar
 
@@ -27,7 +28,7 @@ from numpy.typing import NDArray
 from torch import nn
 
 from stages.model import EOS, TINY_VLM, Decoder, TinyVLM, VisionEncoder, VLMConfig
-from stages.tensorfile import TensorFileError, read_tensors, write_tensor_file
+from stages.tensorfile import TensorFileError, TensorFileHeader, read_tensors, write_tensor_file
 
 __all__ = (
     "TINY_VLM_DIGEST",
@@ -152,15 +153,56 @@ def ensure_weights(path: Path | None = None) -> Path:
     path = default_path() if path is None else path
     if path.exists():
         return path
-    digest = write_weights(path, generate_state())
-    if digest != TINY_VLM_DIGEST:
-        path.unlink(missing_ok=True)
-        raise TensorFileError(f"generated weights have digest {digest}, expected {TINY_VLM_DIGEST}")
+    _generate(path)
     return path
 
 
+def _generate(path: Path) -> None:
+    """Write the TINY_VLM weights to ``path`` (atomically: a reader never sees part).
+
+    Raises:
+        TensorFileError: the weights generated do not match the pinned digest.
+        OSError: ``path`` cannot be written, saying where and what to do.
+    """
+    try:
+        digest = write_weights(path, generate_state())
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"cannot write the model's weights to {path}: {e.strerror or e}; set "
+            "STAGEWIRE_CACHE_DIR to a writable directory",
+        ) from e
+    if digest != TINY_VLM_DIGEST:
+        path.unlink(missing_ok=True)
+        raise TensorFileError(f"generated weights have digest {digest}, expected {TINY_VLM_DIGEST}")
+
+
+def _read(path: Path | None, prefix: str) -> tuple[TensorFileHeader, dict[str, torch.Tensor]]:
+    """The tensors under ``prefix`` of the weights file, verified.
+
+    The cached file (no ``path`` given) is generated again when it fails verification, as
+    a damaged disk or an interrupted copy leaves it: it holds nothing but what the fixed
+    seed makes. A file given by path is the caller's, and is never overwritten.
+    """
+    file = ensure_weights(path)
+    try:
+        return read_tensors(file, TINY_VLM_DIGEST, prefix)
+    except TensorFileError as e:
+        if path is not None:
+            raise TensorFileError(
+                f"{e} (in {file}: a copy of the weights made from the fixed seed; delete "
+                "it, or pass no path, to have them generated again)"
+            ) from e
+        warnings.warn(
+            f"the cached weights in {file} are damaged ({e}); generating them again",
+            stacklevel=3,
+        )
+    _generate(file)
+    return read_tensors(file, TINY_VLM_DIGEST, prefix)
+
+
 def _load(module: M, prefix: str, path: Path | None, device: str) -> M:
-    header, tensors = read_tensors(ensure_weights(path), TINY_VLM_DIGEST, prefix)
+    header, tensors = _read(path, prefix)
     # The digest already pins the config; checking it too catches a digest pinned for a
     # file of another shape, with a clearer message than load_state_dict's.
     try:

@@ -186,3 +186,36 @@ def test_the_header_records_the_model_config(weights: Path) -> None:
     assert header.metadata["model"] == "tiny-vlm"
     assert header.metadata["seed"] == TINY_VLM_SEED
     assert header.metadata["config"]["decoder_layers"] == TINY_VLM.decoder_layers
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_damaged_cached_weights_are_generated_again(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path, tmp_path: Path, damage: str
+) -> None:
+    """The cache holds only what the fixed seed makes: damaged (a flipped bit, a copy cut
+    short), it failed every start until deleted by hand, the error not saying so. A file
+    given by path is the caller's: it is not overwritten, and the error says what to do."""
+    monkeypatch.setenv("STAGEWIRE_CACHE_DIR", str(tmp_path))
+    shutil.copyfile(cache_dir / default_path().name, default_path())
+    if damage == "truncated":
+        default_path().write_bytes(default_path().read_bytes()[:-1000])
+    else:
+        _flip(default_path(), _tensor_offset(default_path(), "decoder.head.bias"))
+    given = tmp_path / "given.swt"
+    shutil.copyfile(default_path(), given)
+    with pytest.raises(TensorFileError, match="delete it, or pass no path"):
+        load_decoder(given)
+    with pytest.warns(UserWarning, match="damaged .* generating them again"):
+        load_decoder()
+    assert default_path().read_bytes() == (cache_dir / default_path().name).read_bytes()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_cache_dir_that_is_a_file_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """It was a bare FileExistsError."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("STAGEWIRE_CACHE_DIR", str(tmp_path / "file"))
+    with pytest.raises(OSError, match="cannot write the model's weights .*STAGEWIRE_CACHE_DIR"):
+        load_decoder()
