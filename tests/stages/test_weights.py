@@ -217,5 +217,5 @@ def test_a_cache_dir_that_is_a_file_says_what_to_do(
     """It was a bare FileExistsError."""
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("STAGEWIRE_CACHE_DIR", str(tmp_path / "file"))
-    with pytest.raises(OSError, match="cannot write the model's weights .*STAGEWIRE_CACHE_DIR"):
+    with pytest.raises(OSError, match=r"cannot write the model's weights .*STAGEWIRE_CACHE_DIR"):
         load_decoder()
