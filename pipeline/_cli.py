@@ -462,10 +462,11 @@ async def _master(args: argparse.Namespace, console: Console) -> int:
                 signal.signal(sig, handler)
         await server.aclose()
         await pipe.aclose()
+    took = server.served + server.failed + server.cancelled + server.abandoned
     console.print(
-        f"served {server.served} requests ({server.failed} failed, {server.cancelled} "
-        f"cancelled by their clients, {server.abandoned} whose clients went away); "
-        "workers shut down"
+        f"took {took} request{'' if took == 1 else 's'}: {server.served} completed, "
+        f"{server.failed} failed, {server.cancelled} cancelled by their clients, "
+        f"{server.abandoned} whose clients went away; workers shut down"
     )
     return 0
 

@@ -124,7 +124,7 @@ async def _summary(master: subprocess.Popen[bytes], err: Path) -> str:
     os.kill(master.pid, signal.SIGTERM)
     code = await asyncio.to_thread(master.wait, 60)
     text = await asyncio.to_thread(err.read_text)
-    found = re.search(r"^served .*$", text, re.MULTILINE)
+    found = re.search(r"^took .*$", text, re.MULTILINE)
     assert code == 0 and found is not None, text
     return found.group(0)
 
@@ -347,7 +347,8 @@ async def test_every_way_of_leaving_a_request_cancels_it_at_the_master(tmp_path:
             assert await pipe.submit(Text("still here")) == Token(1, "here")
         summary = await _summary(procs[0], tmp_path / "master-0.err")
         assert summary.startswith(
-            "served 1 requests (0 failed, 5 cancelled by their clients, 0 whose clients went away)"
+            "took 6 requests: 1 completed, 0 failed, 5 cancelled by their clients, 0 whose "
+            "clients went away"
         ), summary
     finally:
         kill_all(procs)

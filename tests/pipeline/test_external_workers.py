@@ -465,8 +465,8 @@ async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_w
             assert await asyncio.to_thread(p.wait, 30) == 0
         summary = (tmp_path / "master.err").read_text()
         assert (
-            "served 5 requests (1 failed, 1 cancelled by their clients, 1 whose clients went "
-            "away)" in summary
+            "took 8 requests: 5 completed, 1 failed, 1 cancelled by their clients, 1 whose "
+            "clients went away" in summary
         ), summary
     finally:
         kill_all(procs)
