@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline import Pipeline, PipelineError
+from pipeline import ConfigError, Pipeline, PipelineError
 from stages.payloads import DecodeChunk, VLMRequest
 from stages.samples import sample_requests
 
@@ -80,7 +81,7 @@ class TokenService:
     async def _answer(self, line: bytes, writer: asyncio.StreamWriter) -> None:
         """Stream the reply to one request line: its chunks as they come, or one error."""
         try:
-            request = msgspec.json.decode(line, type=VLMRequest)
+            request = _request(line)
             # Leaving this block early (the client hung up, the service is closing) aborts
             # the request in every stage, so no stage goes on working for nobody.
             async with self._pipe.stream(request) as stream:
@@ -106,6 +107,25 @@ class TokenService:
             writer.close()
         if self._clients:
             await asyncio.wait(list(self._clients))
+
+
+#: What a request line may hold.
+_FIELDS = frozenset(VLMRequest.__struct_fields__)
+
+
+def _request(line: bytes) -> VLMRequest:
+    """The request a line holds; a field it does not know is an error, as in ``stagewire``.
+
+    Raises:
+        msgspec.DecodeError: the line is not JSON, not a request, or names an unknown field.
+    """
+    raw = msgspec.json.decode(line)
+    if isinstance(raw, dict) and (unknown := sorted(set(raw) - _FIELDS)):
+        raise msgspec.ValidationError(
+            f"unknown field {', '.join(map(repr, unknown))}; a request has "
+            f"{', '.join(sorted(_FIELDS))}"
+        )
+    return msgspec.json.decode(line, type=VLMRequest)
 
 
 def _line(reply: msgspec.Struct) -> bytes:
@@ -179,13 +199,16 @@ async def serve(config: Path, port: int, *, requests: int, forever: bool) -> Non
     """Start the pipeline and the service; run the demo client, or serve until SIGTERM.
 
     Raises:
-        ConfigError: the pipeline's YAML is invalid.
+        OSError: ``port`` cannot be listened on (in use, say).
+        ConfigError: the pipeline's YAML is invalid, or not there.
         PipelineError: the pipeline failed to start.
         RequestFailed: a demo request failed.
     """
+    # Bound first: a port in use is refused at once, not after the pipeline has started.
+    listening = socket.create_server(("127.0.0.1", port))
     async with Pipeline.from_yaml(config) as pipe:
         service = TokenService(pipe)
-        server = await asyncio.start_server(service.handle, "127.0.0.1", port, limit=MAX_LINE)
+        server = await asyncio.start_server(service.handle, sock=listening, limit=MAX_LINE)
         try:
             port = server.sockets[0].getsockname()[1]
             print(f"serving {pipe.spec.name} on 127.0.0.1:{port}", file=sys.stderr, flush=True)
@@ -202,7 +225,8 @@ async def serve(config: Path, port: int, *, requests: int, forever: bool) -> Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the example; returns the exit code (0 ok, 1 a request failed, 130 Ctrl-C)."""
+    """Run the example; returns the exit code (0 ok, 1 a request failed, 2 a bad config or
+    port, 3 the pipeline did not start, 130 Ctrl-C)."""
     parser = argparse.ArgumentParser(
         prog="python -m examples.embed_service",
         description=__doc__,
@@ -218,6 +242,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RequestFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        why = e.strerror or str(e)
+        print(f"error: cannot listen on 127.0.0.1:{args.port}: {why}", file=sys.stderr)
+        return 2
+    except PipelineError as e:
+        print(f"error: the pipeline did not start: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
     return 0

@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,7 @@ async def test_the_service_streams_chunks_fails_bad_lines_alone_and_stops_on_sig
             b"not json\n",
             msgspec.json.encode(gif) + b"\n",
             msgspec.json.encode(good[1]) + b"\n",
+            b'{"prompt": "hi", "imgae": ""}\n',  # a misspelt field was ignored
         ]
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         replies = []
@@ -156,6 +158,8 @@ async def test_the_service_streams_chunks_fails_bad_lines_alone_and_stops_on_sig
         assert str(replies[1][0]["error"]).startswith("bad request line: JSON is malformed")
         assert len(replies[2]) == 1
         assert "InvalidRequest: image is a GIF, not a PNG or JPEG" in str(replies[2][0]["error"])
+        unknown = "bad request line: unknown field 'imgae'; a request has image, pixels, prompt"
+        assert replies[4] == [{"error": unknown}]
 
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
@@ -172,3 +176,22 @@ async def test_the_service_streams_chunks_fails_bad_lines_alone_and_stops_on_sig
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_a_port_in_use_or_a_missing_config_is_one_line_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    """A port in use was a traceback once the whole pipeline had started; a missing config
+    a traceback too."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for args, said in (
+            (["--port", str(port)], f"error: cannot listen on 127.0.0.1:{port}: "),
+            (["--config", str(tmp_path / "none.yaml")], "error: "),
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", "examples.embed_service", "--serve", *args],
+                cwd=ROOT, capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert done.returncode == 2, done.stderr
+            assert done.stderr.startswith(said) and done.stderr.count("\n") == 1, done.stderr
