@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
+from rich import box
 from rich.table import Table
 
 __all__ = ("edge_rows", "render_tables", "stage_rows")
@@ -16,10 +16,6 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
-
-
-def _longest(names: Iterable[str]) -> int:
-    return max((len(n) for n in names), default=0)
 
 
 def _us(v: float) -> str:
@@ -136,47 +132,87 @@ def render_tables(
     edge_order: list[str] | None = None,
     stage_order: list[str] | None = None,
 ) -> list[Table]:
-    """Rich tables for the stages and the edges of a run, in the pipeline's order."""
-    stages = Table(title="stages", title_justify="left")
+    """Rich tables for the stages and the edges of a run, in the pipeline's order, and
+    the stages' own counters when any stage has some.
+
+    On a narrow terminal no figure and no name is cut: headers wrap at their spaces, and
+    only the columns of free text (the transports used, the counters) wrap their cells.
+    """
     rows = stage_rows(stats["replicas"], stage_order)
-    # The stages' own counters get a column only when some stage has any.
-    with_counters = any(row["counters"] for row in rows)
-    cols = ("stage", "completed", "failed", "aborted", "chunks in", "chunks out", "p50", "p99")
-    for col in (*cols, "counters") if with_counters else cols:
-        if col == "stage":
-            # Names are never cut: the other columns wrap first.
-            stages.add_column(col, no_wrap=True, min_width=_longest(r["stage"] for r in rows))
-        else:
-            stages.add_column(col, justify="left" if col == "counters" else "right")
-    for row in rows:
-        cells = [
-            row["stage"],
-            str(row["completed"]),
-            str(row["failed"]),
-            str(row["aborted"]),
-            str(row["chunks_in"]),
-            str(row["chunks_out"]),
-            _us(row["p50_us"]),
-            _us(row["p99_us"]),
-        ]
-        if with_counters:
-            cells.append(_counters(row["counters"]))
-        stages.add_row(*cells)
-    edges = Table(title="edges", title_justify="left")
-    edge_table = edge_rows(stats["replicas"], stats["client"], edge_order)
-    for col in ("edge", "chunks", "bytes", "transport", "used", "hop p50", "hop p99"):
-        if col == "edge":
-            edges.add_column(col, no_wrap=True, min_width=_longest(r["edge"] for r in edge_table))
-        else:
-            edges.add_column(col, justify="right" if col in ("chunks", "bytes") else "left")
-    for row in edge_table:
-        edges.add_row(
-            row["edge"],
-            str(row["chunks"]),
-            _size(row["bytes"]),
-            row["transport"],
-            row["used"],
-            _us(row["p50_us"]),
-            _us(row["p99_us"]),
+    stages = _table(
+        "stages",
+        ("stage", "completed", "failed", "aborted", "chunks in", "chunks out", "p50", "p99"),
+        [
+            [
+                row["stage"],
+                str(row["completed"]),
+                str(row["failed"]),
+                str(row["aborted"]),
+                str(row["chunks_in"]),
+                str(row["chunks_out"]),
+                _us(row["p50_us"]),
+                _us(row["p99_us"]),
+            ]
+            for row in rows
+        ],
+    )
+    edges = _table(
+        "edges",
+        ("edge", "chunks", "bytes", "transport", "used", "hop p50", "hop p99"),
+        [
+            [
+                row["edge"],
+                str(row["chunks"]),
+                _size(row["bytes"]),
+                row["transport"],
+                row["used"],
+                _us(row["p50_us"]),
+                _us(row["p99_us"]),
+            ]
+            for row in edge_rows(stats["replicas"], stats["client"], edge_order)
+        ],
+        free=("transport", "used"),
+    )
+    tables = [stages, edges]
+    if any(row["counters"] for row in rows):
+        # A table of their own: a column of them squeezed the figures on a narrow terminal.
+        tables.append(
+            _table(
+                "stage counters",
+                ("stage", "counters"),
+                [[row["stage"], _counters(row["counters"])] for row in rows if row["counters"]],
+                free=("counters",),
+            )
         )
-    return [stages, edges]
+    return tables
+
+
+def _table(
+    title: str, columns: tuple[str, ...], cells: list[list[str]], free: tuple[str, ...] = ()
+) -> Table:
+    """A table whose first column (names) and figures are never cut nor wrapped; the
+    ``free`` columns of text wrap their cells when the terminal is narrow."""
+    # Columns apart by their padding alone: the figures of a 4-stage pipeline fit on 80
+    # columns, which lines between them did not leave room for.
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for k, col in enumerate(columns):
+        if col in free:
+            table.add_column(col, justify="left", overflow="fold")
+            continue
+        values = [row[k] for row in cells]
+        widest = max((len(v) for v in values), default=0)
+        # A header well longer than its figures takes a line per word.
+        header = col if len(col) < widest + 3 else "\n".join(col.split())
+        width = max([widest] + [len(w) for w in header.splitlines()])
+        table.add_column(
+            header, justify="left" if k == 0 else "right", no_wrap=True, min_width=width
+        )
+    for row in cells:
+        table.add_row(*row)
+    return table
