@@ -40,6 +40,7 @@ from pipeline._errors import (
     StageUnavailable,
     TransportError,
     error_to_failure,
+    message_of,
 )
 from pipeline._keys import CLIENT
 from pipeline._latency import LatencyRecorder
@@ -369,7 +370,11 @@ class StageActor:
             if wanted is not None and (target is None or target.endpoint != wanted):
                 return None
         if target is None:
-            raise StageUnavailable(dst, f"replica {replica} is not known to {self.stage!r}")
+            raise StageUnavailable(
+                dst,
+                f"replica {replica} is not known to {self.stage!r}",
+                request_id=req.request_id,
+            )
         if dst != CLIENT:
             if req.admit is None:
                 req.admit = encode_message(Admit(req.request_id, route, self._token, req.endpoints))
@@ -490,8 +495,9 @@ class StageActor:
                 # for credit that will never come.
                 self._inputs_by_edge[edge][1].stop_reading(request_id, inflow.sender)
             inflow.end(exc)
+        why = message_of(exc) if exc else None
         for out in self._outputs.values():
-            out.forget(request_id, str(exc) if exc else None)
+            out.forget(request_id, why)
 
     def _remember(self, request_id: str) -> None:
         self._finished[request_id] = None
@@ -747,7 +753,10 @@ class StageActor:
                 self._handler_failed(req, _own_cancel(self.stage))
                 _let_go(exc, kwargs)
                 return
-            except Exception as exc:
+            # SystemExit and KeyboardInterrupt too: raised by a handler (sys.exit() on a bad
+            # input), they are its failure, not the worker's end, which would fail every
+            # request of the replica and, a few times over, the stage for good.
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:
                 self._handler_failed(req, exc)
                 _let_go(exc, kwargs)
                 return
@@ -803,14 +812,20 @@ class StageActor:
         thread)."""
         return len(self._reports)
 
-    def _handler_failed(self, req: _Request, exc: Exception) -> None:
+    def _handler_failed(self, req: _Request, exc: BaseException) -> None:
         """Fail the request whose handler raised ``exc``."""
-        if isinstance(exc, ChunkGap) and req.request_id in self._requests:
+        if (
+            isinstance(exc, ChunkGap)
+            and req.request_id in self._requests
+            # Not one its own code got from elsewhere (a pipeline it calls).
+            and exc.request_id == req.request_id
+            and exc.edge in self._inputs_by_edge
+        ):
             exc = self._explain_gap(req, exc)
         req.task = None  # ending anyway: forget() must not cancel it
         self._fail(req, exc)
 
-    def _fail(self, req: _Request, exc: Exception) -> None:
+    def _fail(self, req: _Request, exc: BaseException) -> None:
         """Fail the request at the client (a StageError) and forget it here."""
         self.counts["failed"] += 1
         rid = req.request_id

@@ -47,6 +47,7 @@ __all__ = (
     "describe_failure",
     "error_to_failure",
     "failure_to_error",
+    "message_of",
 )
 
 
@@ -231,9 +232,21 @@ class FailureInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     traceback: str = ""
 
 
+def message_of(exc: BaseException) -> str:
+    """``str(exc)``, or a stand-in when the exception's own ``__str__`` fails."""
+    try:
+        return str(exc)
+    except Exception as e:
+        return f"<the message of this {type(exc).__name__} could not be made: {e!r}>"
+
+
 def error_to_failure(exc: BaseException, *, stage: str, request_id: str) -> FailureInfo:
-    """Describe ``exc`` as a :class:`FailureInfo` raised in ``stage`` for ``request_id``."""
-    if isinstance(exc, ChunkGap):
+    """Describe ``exc`` as a :class:`FailureInfo` raised in ``stage`` for ``request_id``.
+
+    A ChunkGap or StageUnavailable of another request (a pipeline the stage's own code
+    calls) is the stage's failure, not one of this pipeline's edges or stages.
+    """
+    if isinstance(exc, ChunkGap) and exc.request_id == request_id:
         return FailureInfo(
             "chunk_gap", str(exc), exc.request_id, stage, exc.edge, exc.seq, exc.timeout
         )
@@ -243,9 +256,10 @@ def error_to_failure(exc: BaseException, *, stage: str, request_id: str) -> Fail
         )
     if isinstance(exc, TransportError):
         return FailureInfo("transport", f"stage {stage!r}: {exc}", request_id, stage)
-    if isinstance(exc, StageUnavailable):
+    if isinstance(exc, StageUnavailable) and exc.request_id in (None, request_id):
         return FailureInfo("unavailable", exc.message, request_id, exc.stage)
-    message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    text = message_of(exc)
+    message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     return FailureInfo("stage", message, request_id, stage, traceback=format_traceback(exc))
 
 

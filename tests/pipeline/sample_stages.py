@@ -14,7 +14,15 @@ from typing import Any, TextIO
 import msgspec
 from pydantic import BaseModel, field_validator
 
-from pipeline import Context, Outputs, PayloadError, Stage, Stream
+from pipeline import (
+    ChunkGap,
+    Context,
+    Outputs,
+    PayloadError,
+    Stage,
+    StageUnavailable,
+    Stream,
+)
 from stages.text import Text, Token
 
 #: Simulated compute before each chunk of Crunch.
@@ -172,6 +180,31 @@ async def _line_through_fifo() -> None:
             return fifo.readline()
 
     await asyncio.wait_for(asyncio.to_thread(released), 60)
+
+
+class _NoMessage(Exception):
+    """An exception whose own ``__str__`` fails."""
+
+    def __str__(self) -> str:
+        raise AttributeError("no detail")
+
+
+class Misbehaves(Stage):
+    """Echoes; fails as its input says, in ways a handler's own code may."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        match text.value:
+            case "sys.exit":
+                raise SystemExit(3)
+            case "keyboard interrupt":
+                raise KeyboardInterrupt
+            case "no message":
+                raise _NoMessage
+            case "another pipeline's gap":
+                raise ChunkGap("a-request-of-another-pipeline", "x->y", 3, 1.0)
+            case "another pipeline's stage":
+                raise StageUnavailable("inner", "it died", request_id="another-request")
+        return text
 
 
 class SomeBad(Stage):

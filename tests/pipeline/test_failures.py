@@ -56,6 +56,33 @@ async def test_stage_exception_fails_only_that_request(chain: Pipeline) -> None:
     assert await chain.submit(Text("still fine")) == Text("still fine")
 
 
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("sys.exit", "SystemExit: 3"),
+        ("keyboard interrupt", "KeyboardInterrupt"),
+        ("no message", "_NoMessage: <the message of this _NoMessage could not be made"),
+        ("another pipeline's gap", "ChunkGap: request a-request-of-another-pipeline"),
+        ("another pipeline's stage", "StageUnavailable: stage 'inner' unavailable"),
+    ],
+)
+async def test_whatever_a_handler_raises_fails_that_request_alone(value: str, said: str) -> None:
+    """Each of these ended worse: sys.exit() in a handler ended its worker, failing every
+    request of the replica (and, after three restarts, the stage for good); an exception
+    whose message cannot be made, or a ChunkGap from a pipeline the handler calls, killed
+    the handler's task unreported, and the request hung; another pipeline's
+    StageUnavailable blamed a stage of that pipeline."""
+    async with Pipeline(spec({"n": ":Misbehaves"}, [])) as pipe:
+        pid = pipe.worker_pids["n", 0]
+        others = [asyncio.ensure_future(pipe.submit(Text(f"ok {i}"))) for i in range(5)]
+        with pytest.raises(StageError) as info:
+            await asyncio.wait_for(pipe.submit(Text(value)), 30)
+        assert info.value.stage == "n" and said in str(info.value), str(info.value)
+        assert [o.value for o in await asyncio.gather(*others)] == [f"ok {i}" for i in range(5)]
+        assert await pipe.submit(Text("after")) == Text("after")
+        assert pipe.worker_pids["n", 0] == pid  # served on, never restarted
+
+
 async def test_a_stage_error_carries_the_handlers_traceback(chain: Pipeline) -> None:
     """The StageError holds the traceback the worker formatted before it let the error go:
     the handler's own frame and the error, as text."""
