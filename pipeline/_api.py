@@ -59,6 +59,7 @@ class ResponseStream:
         self._pipe = pipe
         self._inputs = inputs
         self._req: ClientRequest | None = None
+        self._starting: asyncio.Future[ClientRequest] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
 
@@ -87,8 +88,24 @@ class ResponseStream:
             RequestAborted: the pipeline closed while the request waited for a replica.
         """
         if self._req is None:
-            self._loop = asyncio.get_running_loop()
-            self._req = await self._pipe._master_here().orch.start(self._inputs)
+            if self._starting is None:
+                # One submission, however many callers (start() while iterating begins):
+                # a second would be a request nobody reads, held in every stage for ever.
+                self._loop = asyncio.get_running_loop()
+                self._starting = asyncio.ensure_future(
+                    self._pipe._master_here().orch.start(self._inputs)
+                )
+            starting = self._starting
+            try:
+                # Not shielded: a caller cancelled while the request waits for admission
+                # withdraws it, as before (any other caller then sees the cancellation).
+                req = await starting
+            except BaseException:
+                if starting.done() and self._starting is starting:
+                    self._starting = None  # a later start() tries again
+                raise
+            if self._req is None:
+                self._req = req
         return self._req.request_id
 
     def __aiter__(self) -> AsyncIterator[Any]:

@@ -291,3 +291,25 @@ async def test_the_deadline_counts_the_wait_for_admission() -> None:
             assert "did not complete within 1s" in what and at < 1.6, results
         assert sum("(not admitted)" in what for what, _ in results) >= 1, results
         await wait_for(lambda: settled(pipe))
+
+
+async def test_start_while_the_stream_is_read_submits_one_request() -> None:
+    """start() (to learn the id early) while iterating began, the request waiting for a
+    slot: each submitted a request of its own, and the one nobody read held its slot and
+    its state in every stage for ever."""
+    async with Pipeline(spec({"echo": ":Echo"}, [], max_inflight=1)) as pipe:
+        busy = asyncio.ensure_future(pipe.submit(Text("sleep 0.3")))
+        await wait_for(lambda: bool(pipe._master_here().orch.requests))
+        stream = pipe.stream(Text("x"))
+        starting = asyncio.ensure_future(stream.start())
+        await asyncio.sleep(0)  # start() now waits for the slot
+
+        async def read() -> list[object]:
+            return [chunk async for chunk in stream]
+
+        # (Two requests, one slot: the second waited for the first, which nobody read.)
+        assert await asyncio.wait_for(read(), 10) == [Text("x")]
+        assert await starting == stream.request_id
+        assert await busy == Text("sleep 0.3")
+        assert not pipe._master_here().orch.requests
+        assert (await pipe.statistics())["client"]["submitted"] == 2
