@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from pipeline._messages import (
     Chunks,
     Credit,
     Gone,
+    Held,
     Peer,
     PeerTable,
     decode_batch,
@@ -265,6 +267,11 @@ class StageActor:
                 plan.spec.max_wait_ms / 1000,
             )
         self._chunk_timeout = max(e.chunk_timeout for e in plan.inputs.values())
+        #: How often a send held up on one output tells the consumers on the others that
+        #: their chunks are held (see _send_holding): thrice within their chunk timeout.
+        #: None with a single output, or no timeout.
+        hold = min((e.chunk_timeout for e in plan.outputs.values()), default=math.inf) / 3
+        self._hold_every = hold if len(plan.outputs) > 1 and math.isfinite(hold) else None
         self._max_requests = 2 * max_inflight
         self.latency = LatencyRecorder()
         #: The most chunks one (request, edge) ever held waiting: the window bounds it.
@@ -279,6 +286,7 @@ class StageActor:
                 "garbage",
                 "late",
                 "duplicates",
+                "held",
             ),
             0,
         )
@@ -544,6 +552,11 @@ class StageActor:
                         out.on_credit(msg)
                         if msg.done:
                             self._end_if_unread(msg.request_id)
+                elif isinstance(msg, Held):
+                    req = self._requests.get(msg.request_id)
+                    inflow = req.inflows.get(msg.edge) if req is not None else None
+                    if inflow is not None:
+                        inflow.buffer.alive()
                 elif not self._token or msg.token != self._token:
                     self._garbage(1)  # a request message that is not the master's
                 elif isinstance(msg, Admit):
@@ -958,7 +971,55 @@ class StageActor:
             raise _ended(rid)
         target = self._target(dst, req) or await self._table_for(dst, req)
         if not out.try_send(rid, encoded, final, target):
+            if self._hold_every is None:
+                await out.send(rid, encoded, final, target)
+            else:
+                await self._send_holding(out, rid, encoded, final, target, req, dst)
+
+    async def _send_holding(
+        self,
+        out: OutputChannel,
+        rid: str,
+        encoded: Encoded | None,
+        final: bool,
+        target: SendTarget,
+        req: _Request,
+        dst: str,
+    ) -> None:
+        """``out.send``, telling the request's other consumers while it waits (for credit
+        from a slower consumer, or a request queued there) that their next chunks are held,
+        not lost: their waits start over instead of failing the request with a ChunkGap."""
+        every = self._hold_every
+        assert every is not None
+        loop = asyncio.get_running_loop()
+        handle: asyncio.TimerHandle | None = None
+
+        def tick() -> None:
+            nonlocal handle
+            self._tell_held(req, dst)
+            handle = loop.call_later(every, tick)
+
+        handle = loop.call_later(every, tick)
+        try:
             await out.send(rid, encoded, final, target)
+        finally:
+            handle.cancel()
+
+    def _tell_held(self, req: _Request, held_by: str) -> None:
+        """Send ``Held`` to the consumers of ``req`` on every output but ``held_by``."""
+        rid = req.request_id
+        if self._requests.get(rid) is not req or req.route is None:
+            return
+        for dst, out in self._outputs.items():
+            if dst == held_by or out.reader_stopped(rid):
+                continue
+            try:
+                target = req.targets.get(dst) or self._target(dst, req)
+            except StageUnavailable:
+                continue  # its own send will say so
+            if target is not None and target.endpoint:
+                self._send_data(target.endpoint, encode_message(Held(rid, out.plan.name)))
+                self.counts["held"] += 1
 
     async def _end(self, req: _Request) -> None:
         assert req.route is not None

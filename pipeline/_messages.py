@@ -37,6 +37,7 @@ __all__ = (
     "Gone",
     "Grant",
     "Heartbeat",
+    "Held",
     "Hello",
     "Output",
     "Peer",
@@ -127,6 +128,16 @@ class Credit(_Msg, frozen=True, tag="k"):
     upto: int
     done: bool = False
     window: int = 0
+
+
+class Held(_Msg, frozen=True, tag="h"):
+    """The producer of (request, edge) is alive but held: it waits to send another of its
+    outputs of the request (for credit from a slower consumer, say), so the next chunk on
+    this edge is late, not lost. The consumer's wait for it starts over (see
+    ``ReorderBuffer.alive``), instead of failing the request with a ChunkGap."""
+
+    request_id: str
+    edge: str
 
 
 #: Encodes one message of this module (any of them) to msgpack.
@@ -510,6 +521,6 @@ ControlToClient = Welcome | Started | Output | Finished | Alive | StatsAnswer
 #: Stage to stage: chunks and credit. Master to stage: the request messages too (``Admit``,
 #: ``Abort``, ``Drop``), which the master sends on the data path so that they travel with
 #: (and before) a request's first chunks instead of racing them on another socket.
-DataMessage = Chunks | Credit | Admit | Abort | Drop | Gone
+DataMessage = Chunks | Credit | Held | Admit | Abort | Drop | Gone
 
 _batch_decoder = msgspec.msgpack.Decoder(list[DataMessage])

@@ -257,6 +257,13 @@ class ReorderBuffer(Generic[T]):
             self._untimed = False
         raise self._ended_error()
 
+    def alive(self) -> None:
+        """The producer is alive, held up elsewhere (see ``Held``): a waiting ``get()``'s
+        deadline starts over, ``chunk_timeout`` from now."""
+        waiter = self._waiter
+        if waiter is not None and not self._untimed and not math.isinf(self._timeout):
+            self._deadline = waiter.get_loop().time() + self._timeout
+
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the waiting get()'s deadline: ``chunk_timeout`` from now."""
         self._untimed = False

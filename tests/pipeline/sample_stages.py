@@ -29,6 +29,8 @@ from stages.text import Text, Token
 CRUNCH_S = 0.25
 #: Simulated work of a batch (not a synchronisation: the stage is doing its job).
 BATCH_WORK_S = 0.001
+#: How long Count is busy with a stream whose first word is "sleep".
+COUNT_BUSY_S = 3.0
 #: Simulated work of a Gauge request: long enough that concurrent arrivals overlap even on
 #: a loaded machine, so the peak reaches max_concurrency.
 GAUGE_WORK_S = 0.25
@@ -242,11 +244,14 @@ class First(Stage):
 
 
 class Count(Stage):
-    """Counts the tokens of its stream."""
+    """Counts the tokens of its stream; on "sleep S" first, it sleeps S seconds before it
+    reads, as a model's step might (not a synchronisation: the stage is busy)."""
 
     async def process(self, tokens: Stream[Token], ctx: Context) -> Text:
         n = 0
-        async for _ in tokens:
+        async for token in tokens:
+            if n == 0 and token.value == "sleep":
+                await asyncio.sleep(COUNT_BUSY_S)
             n += 1
         return Text(str(n))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 
 import pytest
@@ -10,7 +11,7 @@ import pytest_asyncio
 
 from pipeline import PayloadError, Pipeline, SinkOutput
 from stages.text import Text
-from tests.pipeline.conftest import spec
+from tests.pipeline.conftest import spec, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -156,3 +157,58 @@ async def test_a_stream_read_on_past_chunks_that_do_not_decode_completes(transpo
     async with Pipeline(s) as pipe:
         out = await asyncio.wait_for(pipe.submit(Text("200")), 60)
     assert out == Text("100 good, 100 bad")
+
+
+async def _held(pipe: Pipeline, stage: str) -> int:
+    """How many Held notices ``stage`` has sent."""
+    stats = await pipe.statistics()
+    return sum(r["held"] for r in stats["replicas"] if r["stage"] == stage)
+
+
+async def test_a_consumer_starved_by_a_slow_sibling_is_told_its_chunks_are_held() -> None:
+    """tokens feeds relay (streaming to the client) and count. The client stops reading:
+    relay's window fills, then tokens' window to relay, and count gets nothing. Its wait
+    for its next chunk passed chunk_timeout and failed a healthy request with a ChunkGap,
+    advising a longer timeout. Now tokens tells count its chunks are held, not lost."""
+    s = spec(
+        {"tokens": ":Tokens", "relay": ":Relay", "count": ":Count"},
+        [("tokens", "relay"), ("tokens", "count")],
+        window=4, chunk_timeout="1s",
+    )  # fmt: skip
+    words = [f"w{i}" for i in range(200)]
+    async with Pipeline(s) as pipe:
+        relayed: list[str] = []
+        counted = None
+        async for out in pipe.stream(Text(" ".join(words))):
+            if out.stage == "count":
+                counted = out.value
+                continue
+            relayed.append(out.value.value)
+            if len(relayed) == 10:
+                # The client reads nothing for over two chunk timeouts (six notices).
+                await wait_for(functools.partial(_at_least, pipe, 6), 30)
+        assert relayed == words and counted == Text("200")
+
+
+async def _at_least(pipe: Pipeline, n: int) -> bool:
+    return await _held(pipe, "tokens") >= n
+
+
+async def test_a_request_queued_behind_a_busy_branch_does_not_starve_the_other() -> None:
+    """count (max_concurrency 1) is busy with request A for three chunk timeouts: B queues
+    there, tokens waits for count's credit for B, and relay, fed nothing of B meanwhile,
+    failed B with a ChunkGap though B was only waiting its turn."""
+    s = spec(
+        {"tokens": ":Tokens", "relay": ":Collect",
+         "count": {"impl": ":Count", "max_concurrency": 1}},
+        [("tokens", "relay"), ("tokens", "count")],
+        window=4, chunk_timeout="1s",
+    )  # fmt: skip
+    a = "sleep " + " ".join(f"a{i}" for i in range(20))
+    b = " ".join(f"b{i}" for i in range(40))
+    async with Pipeline(s) as pipe:
+        first = asyncio.ensure_future(pipe.submit(Text(a)))
+        await wait_for(functools.partial(_at_least, pipe, 1), 30)
+        second = await asyncio.wait_for(pipe.submit(Text(b)), 60)
+        assert await first == {"relay": Text(a), "count": Text("21")}
+        assert second == {"relay": Text(b), "count": Text("40")}
