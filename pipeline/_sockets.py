@@ -61,9 +61,44 @@ class Sealable(Protocol):
 SendData = Callable[[str, "bytes | Sealable"], None]
 
 
+class _Context(zmq.Context[Any]):
+    """A context that keeps its open sockets, so that its finaliser closes every one.
+
+    Dropped unclosed (a pipeline nobody closed), a context and its sockets become garbage
+    together, and the collector clears weak references before it runs finalisers: pyzmq's
+    own finaliser then found none of the sockets left to close, and waited for them for
+    ever, freezing whatever collection ran it.
+    """
+
+    #: Declared: pyzmq takes any other attribute set on a context for a socket option.
+    _open: set[zmq.Socket[Any]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._open = set()
+
+    def _add_socket(self, socket: Any) -> None:
+        super()._add_socket(socket)
+        self._open.add(socket)
+
+    def _rm_socket(self, socket: Any) -> None:
+        super()._rm_socket(socket)
+        opened = getattr(self, "_open", None)  # None while the interpreter tears down
+        if opened is not None:
+            opened.discard(socket)
+
+    def __del__(self) -> None:
+        if not self.closed:
+            for socket in list(getattr(self, "_open", ())):
+                with contextlib.suppress(Exception):
+                    socket.close(linger=0)
+        super().__del__()
+
+
 def new_context() -> zmq.Context[Any]:
-    """A ZMQ context for one process; the caller terminates it."""
-    return zmq.Context()
+    """A ZMQ context for one process; the caller terminates it (should it not, collecting
+    it closes its sockets and terminates it, without waiting)."""
+    return _Context()
 
 
 def for_endpoint(sock: zmq.Socket[Any], endpoint: str) -> zmq.Socket[Any]:
@@ -227,13 +262,13 @@ class HandshakeWatch:
         self._sock = sock
         self._judge = HandshakeJudge(endpoint, keys)
         self._on_refused = on_refused
-        # Read by a plain socket over the same context, even when ``sock`` is a
-        # ``zmq.asyncio`` one (whose receives would return futures).
+        # Read by a plain socket of the same context, even when ``sock`` is a ``zmq.asyncio``
+        # one (whose receives would return futures). Made by that context, not by a shadow
+        # of it, so that the context closes it too: a context whose owner was dropped unclosed
+        # waited for it for ever in its finaliser, freezing a garbage collection.
         address = f"inproc://stagewire-handshake-{id(self):x}"
         sock.monitor(address, HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self._mon: zmq.Socket[Any] | None = zmq.Context.shadow(sock.context.underlying).socket(
-            zmq.PAIR
-        )
+        self._mon: zmq.Socket[Any] | None = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
         self._mon.setsockopt(zmq.LINGER, 0)
         self._mon.connect(address)
         self._reader = SocketReader(self._mon, self._on_event, lambda exc, frames: None)

@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -20,6 +23,9 @@ from tests.pipeline.conftest import spec, wait_for
 from tests.procs import alive, wait_exited
 
 T = TypeVar("T")
+
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _relay() -> Pipeline:
@@ -207,3 +213,33 @@ async def test_a_close_task_cancelled_midway_leaves_nothing_and_later_closes_qui
     await asyncio.gather(closing, busy, return_exceptions=True)
     assert not any(alive(p) for p in pids)
     await asyncio.wait_for(pipe.aclose(), 5)
+
+
+_DROPPED = """
+import asyncio, gc, sys
+from pipeline import Pipeline
+from stages.text import Text
+from tests.pipeline.conftest import spec
+
+async def main():
+    pipe = Pipeline(spec({"echo": ":Echo"}, []))
+    await pipe.start()
+    assert await pipe.submit(Text("x")) == Text("x")
+    print(*pipe.worker_pids.values(), flush=True)
+
+asyncio.run(main())  # the pipeline is dropped, never closed
+gc.collect()
+print("collected", flush=True)
+"""
+
+
+def test_a_pipeline_dropped_unclosed_does_not_freeze_a_garbage_collection() -> None:
+    """Its ZMQ context and sockets became garbage together; the collector clears weak
+    references first, so pyzmq's finaliser found no socket to close and waited for them
+    for ever: the next collection froze the process (a service that lost track of one)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _DROPPED], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "collected", done.stderr
+    # The workers go with their parent.
+    assert wait_exited(map(int, done.stdout.split()[:-1]), 30)
