@@ -212,10 +212,13 @@ class RequestAborted(PipelineError):
 class RequestTimeout(PipelineError):
     """The request did not complete before its deadline."""
 
-    def __init__(self, request_id: str, timeout: float) -> None:
+    def __init__(self, request_id: str, timeout: float, *, detail: str = "") -> None:
         self.request_id = request_id
         self.timeout = timeout
-        super().__init__(f"request {request_id} did not complete within {timeout:g}s")
+        more = f" ({detail})" if detail else ""
+        super().__init__(
+            f"request {request_id} did not complete within {timeout:g}s, its request_timeout{more}"
+        )
 
 
 class FailureInfo(msgspec.Struct, frozen=True, omit_defaults=True):

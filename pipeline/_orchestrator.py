@@ -219,6 +219,7 @@ class Orchestrator:
 
         Raises:
             StageUnavailable: a stage had no ready replica for the whole wait.
+            RequestTimeout: the request's deadline came first.
             RequestAborted: the pipeline closed meanwhile.
         """
         deadline: float | None = None
@@ -245,6 +246,13 @@ class Orchestrator:
                     wait = round(deadline - began, 3)
                     if self._replica_wait <= 0:
                         raise
+                    if until is not None and deadline == until and self._timeout is not None:
+                        # The request's own deadline ended the wait, not replica_wait.
+                        raise RequestTimeout(
+                            "(not admitted)",
+                            self._timeout,
+                            detail=f"stage {exc.stage!r} had no ready replica for {wait:g}s",
+                        ) from None
                     waited = f"no replica is ready after waiting {wait:g}s"
                     raise StageUnavailable(exc.stage, waited) from None
             if self._readiness is None or self._readiness.done():
@@ -274,10 +282,10 @@ class Orchestrator:
 
         Raises:
             PayloadError: an input does not match its source stage's declared type.
-            StageUnavailable: some stage had no ready replica for ``replica_wait`` (or
-                until the request's deadline, if sooner).
+            StageUnavailable: some stage had no ready replica for ``replica_wait``.
             RequestTimeout: the request's deadline passed while it waited for admission
-                (``max_inflight`` requests were in flight all along).
+                (``max_inflight`` requests were in flight all along), or for a ready
+                replica of some stage.
             RequestAborted: the pipeline closed while the request waited.
         """
         loop = asyncio.get_running_loop()

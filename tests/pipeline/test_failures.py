@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -313,3 +315,18 @@ async def test_start_while_the_stream_is_read_submits_one_request() -> None:
         assert await busy == Text("sleep 0.3")
         assert not pipe._master_here().orch.requests
         assert (await pipe.statistics())["client"]["submitted"] == 2
+
+
+async def test_a_deadline_that_passes_while_no_replica_is_ready_is_a_request_timeout() -> None:
+    """request_timeout shorter than replica_wait, the only replica restarting: the request
+    failed with StageUnavailable, "no replica is ready after waiting 0.3s", though it had
+    waited its own timeout, not replica_wait (10 s)."""
+    s = spec({"echo": ":Echo"}, [], request_timeout="300ms", replica_wait="10s")
+    async with Pipeline(s) as pipe:
+        os.kill(pipe.worker_pids["echo", 0], signal.SIGKILL)
+        views = pipe._master_here().orch.replicas["echo"]
+        await wait_for(lambda: not views[0].ready, 30)
+        with pytest.raises(RequestTimeout, match=r"within 0.3s, its request_timeout .*'echo'"):
+            await pipe.submit(Text("x"))
+        await wait_for(lambda: views[0].ready, 60)  # restarted: served again
+        assert await pipe.submit(Text("y")) == Text("y")
