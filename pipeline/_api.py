@@ -414,15 +414,20 @@ class Pipeline(LoopBound):
     async def statistics(self) -> dict[str, Any]:
         """Counters of the client side and of every replica (asks each worker).
 
-        Replicas that do not answer within a few seconds are left out.
+        Replicas that do not answer within a few seconds (or are not ready: restarting,
+        say) are left out of ``replicas``, and named in ``unanswered`` (``"stage[k]"``), so
+        that figures summed over the replicas are not taken for the whole pipeline's.
 
         Raises:
             RuntimeError: the pipeline is not running, or runs on another event loop.
         """
         master = self._master_here()
+        replicas = await master.collect_statistics()
+        answered = {(r["stage"], r["replica"]) for r in replicas}
         return {
             "client": master.orch.statistics(),
-            "replicas": await master.collect_statistics(),
+            "replicas": replicas,
+            "unanswered": [f"{s}[{k}]" for s, k in sorted(master.expected - answered)],
             "garbage": master.garbage + (master.local.garbage_count if master.local else 0),
             "local_frames": master.local.frames if master.local else 0,
             "dropped_sends": master.outbox.dropped,

@@ -347,6 +347,10 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     spec = pipe.spec
     for table in render_tables(stats, [e.name for e in spec.edges], spec.topological_order()):
         console.print(table)
+    if stats.get("unanswered"):
+        # Their figures are not in the tables: say so, rather than show partial sums.
+        silent = ", ".join(stats["unanswered"])
+        console.print(f"[yellow]no figures from {escape(silent)}[/yellow] (not ready, or silent)")
     console.print(
         f"{total - len(failures)}/{total} requests ok in {elapsed:.2f}s "
         f"({total / elapsed:.0f} req/s at concurrency {clients}); "

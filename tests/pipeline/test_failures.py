@@ -326,7 +326,10 @@ async def test_a_deadline_that_passes_while_no_replica_is_ready_is_a_request_tim
         os.kill(pipe.worker_pids["echo", 0], signal.SIGKILL)
         views = pipe._master_here().orch.replicas["echo"]
         await wait_for(lambda: not views[0].ready, 30)
+        # Its figures are missing, and statistics() says whose (they were left out).
+        assert (await pipe.statistics())["unanswered"] == ["echo[0]"]
         with pytest.raises(RequestTimeout, match=r"within 0.3s, its request_timeout .*'echo'"):
             await pipe.submit(Text("x"))
         await wait_for(lambda: views[0].ready, 60)  # restarted: served again
         assert await pipe.submit(Text("y")) == Text("y")
+        assert (await pipe.statistics())["unanswered"] == []
