@@ -17,7 +17,7 @@ import structlog
 
 from pipeline._codec import resolve_device
 from pipeline._config import PipelineSpec
-from pipeline._errors import EndOfChannel, PayloadError
+from pipeline._errors import EndOfChannel, PayloadError, RequestAborted
 from pipeline._launcher import LocalLauncher
 from pipeline._lifecycle import LoopBound
 from pipeline._logging import configure_logging
@@ -121,12 +121,17 @@ class ResponseStream:
             ChunkGap: a chunk went missing past ``chunk_timeout``.
             PayloadError: a payload did not match its declared type.
             RequestTimeout: the request passed its deadline.
+            RequestAborted: the request was aborted, or the pipeline closed.
         """
         if self._done:
             raise StopAsyncIteration
         if self._req is None:
             await self.start()
             assert self._req is not None
+        if self._pipe._master is None:
+            # Closed since the request started: it was aborted with everything in flight.
+            self._done = True
+            raise RequestAborted(self._req.request_id, "the pipeline was closed")
         orch = self._pipe._master_here().orch
         try:
             sink, value = await orch.next_output(self._req)

@@ -333,3 +333,13 @@ async def test_a_deadline_that_passes_while_no_replica_is_ready_is_a_request_tim
         await wait_for(lambda: views[0].ready, 60)  # restarted: served again
         assert await pipe.submit(Text("y")) == Text("y")
         assert (await pipe.statistics())["unanswered"] == []
+
+
+async def test_a_stream_read_after_its_pipeline_closed_says_it_was_aborted() -> None:
+    """It raised RuntimeError("the pipeline is closed"), as for a call made after the close,
+    where the request was in flight and aborted by the close."""
+    async with Pipeline(spec({"tokens": ":Tokens"}, [])) as pipe:
+        stream = pipe.stream(Text("a stall"))
+        assert await anext(stream) == Token(0, "a")
+    with pytest.raises(RequestAborted, match="the pipeline was closed"):
+        await anext(stream)
