@@ -48,6 +48,11 @@ class SinkOutput:
         return f"SinkOutput({self.stage!r}, {self.value!r})"
 
 
+#: How long a stream dropped unfinished waits for the rest of its request before aborting
+#: it (see ResponseStream.__del__).
+ABANDON_GRACE_S = 0.05
+
+
 class ResponseStream:
     """The outputs of one request, in order; leaving early aborts the request everywhere.
 
@@ -72,7 +77,12 @@ class ResponseStream:
         if master is None or self._loop.is_closed():
             return
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            self._loop.call_soon_threadsafe(master.orch.abandon, self._req.request_id)
+            # A moment's grace: left right after its last chunk, the end of the stream (a
+            # message of its own when the stage flushed that chunk at once) is on its way,
+            # and the request is complete, not abandoned.
+            self._loop.call_soon_threadsafe(
+                self._loop.call_later, ABANDON_GRACE_S, master.orch.abandon, self._req.request_id
+            )
 
     @property
     def request_id(self) -> str | None:

@@ -416,7 +416,15 @@ class Orchestrator:
             self.complete(req.request_id)
 
     def abandon(self, rid: str) -> None:
-        """The client dropped ``rid``'s output stream unfinished: abort it, if still running."""
+        """The client dropped ``rid``'s output stream unread to its end: complete it if
+        every output has arrived (a ``break`` on the last chunk, the end of the stream
+        just behind it), else abort it."""
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        if not req.pending and all(f.buffer.complete for f in req.inflows.values()):
+            self.complete(rid)
+            return
         self.abort(rid, "abandoned by the client (its output stream was dropped unfinished)")
 
     # ---- endings -------------------------------------------------------------------------

@@ -141,6 +141,19 @@ async def test_a_client_that_stops_reading_after_the_last_output_frees_the_reque
             assert await pipe.submit(Text("third")) == Text("third")
 
 
+async def test_a_stream_dropped_right_after_its_last_output_completes_its_request() -> None:
+    """A stage that computes between chunks sends each at once, and the end of its stream
+    in a message of its own just after: a client leaving on the last output dropped the
+    stream before that end came, and its request counted as aborted, not completed."""
+    async with Pipeline(spec({"crunch": ":Crunch"}, [])) as pipe:
+        async for token in pipe.stream(Text("a b")):
+            if token.value == "b":
+                break
+        await wait_for(lambda: settled(pipe))
+        client = (await pipe.statistics())["client"]
+        assert (client["completed"], client["aborted"]) == (1, 0), client
+
+
 async def test_a_stream_dropped_unfinished_aborts_its_request() -> None:
     """A ``break`` out of a stream still producing aborts the request in every stage once
     the stream object is gone, as ``aclose()`` would."""
