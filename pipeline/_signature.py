@@ -11,6 +11,7 @@ import collections.abc
 import difflib
 import importlib
 import inspect
+import json
 import types
 import typing
 from collections.abc import Mapping
@@ -243,6 +244,26 @@ def _check_codecs(stages: dict[str, StagePlan]) -> None:
                 ) from None
 
 
+def _validated(model: type[BaseModel], params: dict[str, Any]) -> BaseModel:
+    """``params`` as ``model``, strictly as JSON would be read: a number is not taken for
+    text, nor text or ``true`` for a number (``max_new_tokens: "10"`` or ``true`` were
+    accepted as 10 and 1), while text still reads as a path, an enum or a date. A model
+    that names its own ``strict`` setting is validated as it says; params holding values
+    JSON has no form for (given from Python) are validated as given.
+
+    Raises:
+        ValidationError: the params do not validate.
+    """
+    if model.model_config.get("strict") is None:
+        try:
+            text = json.dumps(params, allow_nan=True)
+        except (TypeError, ValueError):
+            pass
+        else:
+            return model.model_validate_json(text, strict=True)
+    return model.model_validate(params)
+
+
 def _validate_params(spec: StageSpec, cls: type[Stage], stage: str) -> Any:
     model = cls.Params
     if model is None:
@@ -256,7 +277,7 @@ def _validate_params(spec: StageSpec, cls: type[Stage], stage: str) -> Any:
         raise ConfigError(f"{cls.__name__}.Params must be a pydantic model", path=f"stages.{stage}")
     _refuse_unknown_params(spec.params, model, cls.__name__, stage)
     try:
-        return model.model_validate(spec.params)
+        return _validated(model, spec.params)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])

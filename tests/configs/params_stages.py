@@ -3,6 +3,8 @@ take must pass the check for misspelt params, and only those."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import AliasChoices, AliasPath, BaseModel, ConfigDict, Field, RootModel
 from pydantic.alias_generators import to_camel
 
@@ -39,3 +41,18 @@ class Mapping(_Echo):
 class AliasOnly(_Echo):
     class Params(BaseModel):
         max_tokens: int = Field(16, alias="maxTokens")
+
+
+class Kinds(_Echo):
+    class Params(BaseModel):
+        count: int = 1
+        ratio: float = 0.5
+        name: str = ""
+        where: Path = Path(".")
+        on: bool = False
+
+
+class Lax(_Echo):
+    class Params(BaseModel):
+        model_config = ConfigDict(strict=False)
+        count: int = 1

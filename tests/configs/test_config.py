@@ -694,3 +694,29 @@ def test_every_key_a_params_model_takes_passes_the_misspelling_check(
         return
     with pytest.raises(ConfigError, match=re.escape(refused)):
         Pipeline.from_yaml(path)
+
+
+@pytest.mark.parametrize(
+    ("stage", "params", "refused"),
+    [("Kinds", "{count: '10'}", "count: Input should be a valid integer, got '10'"),
+     ("Kinds", "{count: true}", "count: Input should be a valid integer, got True"),
+     ("Kinds", "{count: 2.5}", "count: Input should be a valid integer, got 2.5"),
+     ("Kinds", "{name: 7}", "name: Input should be a valid string, got 7"),
+     ("Kinds", "{on: 1}", "on: Input should be a valid boolean, got 1"),
+     ("Kinds", "{count: 3, ratio: 1, name: x, where: a/b, on: true}", None),
+     ("Lax", "{count: '10'}", None)],  # a model that names its own strictness
+)  # fmt: skip
+def test_params_are_read_strictly_as_json_is(
+    tmp_path: Path, stage: str, params: str, refused: str | None
+) -> None:
+    """`max_new_tokens: "10"` or `true` passed as 10 and 1 (pydantic's lax mode), where
+    validation is strict; a number still reads as a float, text as a path."""
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        f"stages:\n  s: {{impl: 'tests.configs.params_stages:{stage}', params: {params}}}\n"
+    )
+    if refused is None:
+        Pipeline.from_yaml(path)
+        return
+    with pytest.raises(ConfigError, match=re.escape(refused)):
+        Pipeline.from_yaml(path)
