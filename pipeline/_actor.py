@@ -71,6 +71,8 @@ log = structlog.get_logger("stagewire.actor")
 
 #: How many finished request ids a replica remembers, to discard their late chunks.
 FINISHED_MEMORY = 65536
+#: Seconds a cancelled handler may go on before the replica logs that it ignores it.
+CANCEL_GRACE_S = 5.0
 #: How many requests not yet admitted a replica remembers unreadable chunks of (forged ones
 #: name requests that never come; the oldest are forgotten first).
 UNREADABLE_MEMORY = 1024
@@ -235,6 +237,8 @@ class StageActor:
         #: peer table.
         self._targets: dict[tuple[str, int], SendTarget] = {}
         self._requests: dict[str, _Request] = {}
+        #: Handlers cancelled (their requests ended) that have not ended yet.
+        self._cancelled: set[asyncio.Task[None]] = set()
         #: While a message is handled: the requests it made ready, whose handlers start
         #: once the whole message is filed.
         self._starting: list[_Request] | None = None
@@ -497,6 +501,7 @@ class StageActor:
             req.ctx.cancel()
         if req.task is not None and not req.task.done():
             req.task.cancel()
+            self._watch_cancelled(req.task, request_id)
         for edge, inflow in req.inflows.items():
             if exc is None and not inflow.buffer.finished:
                 # The handler returned before its input's end: its producer must not wait
@@ -506,6 +511,25 @@ class StageActor:
         why = message_of(exc) if exc else None
         for out in self._outputs.values():
             out.forget(request_id, why)
+
+    def _watch_cancelled(self, task: asyncio.Task[None], request_id: str) -> None:
+        """Count a cancelled handler until it ends (``cancelling`` in the statistics), and
+        say so should it go on past CANCEL_GRACE_S: one that catches its cancellation and
+        carries on holds a ``max_concurrency`` slot, unseen otherwise."""
+        self._cancelled.add(task)
+        task.add_done_callback(self._cancelled.discard)
+        asyncio.get_running_loop().call_later(CANCEL_GRACE_S, self._still_running, task, request_id)
+
+    def _still_running(self, task: asyncio.Task[None], request_id: str) -> None:
+        if not task.done():
+            log.warning(
+                "handler_ignores_cancellation",
+                stage=self.stage,
+                request_id=request_id,
+                after_s=CANCEL_GRACE_S,
+                advice="a handler that catches asyncio.CancelledError must raise it again: "
+                "until it ends, it holds a max_concurrency slot of this replica",
+            )
 
     def _remember(self, request_id: str) -> None:
         self._finished[request_id] = None
@@ -1059,6 +1083,7 @@ class StageActor:
             "stage": self.stage,
             "replica": self.replica,
             "active": len(self._requests),
+            "cancelling": len(self._cancelled),
             "open_windows": sum(o.open_windows for o in self._outputs.values()),
             "peak_buffered": self.peak_buffered,
             **self.counts,

@@ -209,6 +209,18 @@ class Misbehaves(Stage):
         return text
 
 
+class HoldsOnCancelled(Stage):
+    """On "swallow", catches its first cancellation and waits on (a bug: it holds its slot);
+    a second ends it. Echoes anything else."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        if text.value == "swallow":
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+            await asyncio.Event().wait()
+        return text
+
+
 class SomeBad(Stage):
     """Streams ``int(text.value)`` tokens, every second one malformed (its index a string,
     where the consumer's Token wants an int), as a producer with a bug would."""

@@ -343,3 +343,19 @@ async def test_a_stream_read_after_its_pipeline_closed_says_it_was_aborted() -> 
         assert await anext(stream) == Token(0, "a")
     with pytest.raises(RequestAborted, match="the pipeline was closed"):
         await anext(stream)
+
+
+async def test_a_handler_that_ignores_its_cancellation_shows_in_the_statistics() -> None:
+    """It holds its max_concurrency slot, and every later request timed out while the
+    statistics showed the replica idle: now they count it as cancelling (and the worker
+    logs it after CANCEL_GRACE_S)."""
+    s = spec({"s": {"impl": ":HoldsOnCancelled", "max_concurrency": 1}}, [], request_timeout="1s")
+    async with Pipeline(s) as pipe:
+        with pytest.raises(RequestTimeout):
+            await pipe.submit(Text("swallow"))
+
+        async def cancelling() -> bool:
+            (replica,) = (await pipe.statistics())["replicas"]
+            return bool(replica["active"] == 0 and replica["cancelling"] == 1)
+
+        await wait_for(cancelling, 10)
