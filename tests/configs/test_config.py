@@ -685,15 +685,7 @@ def test_every_key_a_params_model_takes_passes_the_misspelling_check(
     first key of an alias path, generated aliases, a root model's keys), which a first
     version of it refused, and refuses a field's own name where the model reads its alias
     only, which it let through."""
-    path = tmp_path / "p.yaml"
-    path.write_text(
-        f"stages:\n  s: {{impl: 'tests.configs.params_stages:{stage}', params: {params}}}\n"
-    )
-    if refused is None:
-        Pipeline.from_yaml(path)
-        return
-    with pytest.raises(ConfigError, match=re.escape(refused)):
-        Pipeline.from_yaml(path)
+    _load_params(tmp_path, stage, params, refused)
 
 
 @pytest.mark.parametrize(
@@ -711,6 +703,12 @@ def test_params_are_read_strictly_as_json_is(
 ) -> None:
     """`max_new_tokens: "10"` or `true` passed as 10 and 1 (pydantic's lax mode), where
     validation is strict; a number still reads as a float, text as a path."""
+    _load_params(tmp_path, stage, params, refused)
+
+
+def _load_params(tmp_path: Path, stage: str, params: str, refused: str | None) -> None:
+    """Load a one-stage pipeline of ``params_stages:stage`` given ``params`` (YAML): it
+    loads if ``refused`` is None, else fails with a ConfigError saying ``refused``."""
     path = tmp_path / "p.yaml"
     path.write_text(
         f"stages:\n  s: {{impl: 'tests.configs.params_stages:{stage}', params: {params}}}\n"
