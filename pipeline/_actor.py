@@ -577,10 +577,7 @@ class StageActor:
                         if msg.done:
                             self._end_if_unread(msg.request_id)
                 elif isinstance(msg, Held):
-                    req = self._requests.get(msg.request_id)
-                    inflow = req.inflows.get(msg.edge) if req is not None else None
-                    if inflow is not None:
-                        inflow.buffer.alive()
+                    self._on_held(msg)
                 elif not self._token or msg.token != self._token:
                     self._garbage(1)  # a request message that is not the master's
                 elif isinstance(msg, Admit):
@@ -1029,13 +1026,38 @@ class StageActor:
         finally:
             handle.cancel()
 
-    def _tell_held(self, req: _Request, held_by: str) -> None:
+    def _on_held(self, msg: Held) -> None:
+        """The producer of ``msg.edge`` is held up sending another of its outputs: the wait
+        for its next chunk starts over, and this stage's own consumers of the request, who
+        wait for what that chunk would make, are told in turn.
+
+        Unless this handler is what holds the producer up: another input of the request
+        holds a full window of chunks it has not read (it reads one input to its end before
+        the others, and their producers wait for its credit). Nothing can then move, and
+        the wait runs out into a ChunkGap that says so (see _explain_gap), not a hang.
+        """
+        req = self._requests.get(msg.request_id)
+        inflow = req.inflows.get(msg.edge) if req is not None else None
+        if req is None or inflow is None:
+            return
+        for edge, other in req.inflows.items():
+            if (
+                edge != msg.edge
+                and other.buffer.buffered >= self._inputs_by_edge[edge][1].plan.window
+            ):
+                return
+        inflow.buffer.alive()
+        if inflow.buffer.waiting:
+            self._tell_held(req, None)
+
+    def _tell_held(self, req: _Request, held_by: str | None) -> None:
         """Send ``Held`` to the consumers of ``req`` on every output but ``held_by``."""
         rid = req.request_id
         if self._requests.get(rid) is not req or req.route is None:
             return
         for dst, out in self._outputs.items():
-            if dst == held_by or out.reader_stopped(rid):
+            # (The client waits on its sinks without a chunk timeout.)
+            if dst in (held_by, CLIENT) or out.reader_stopped(rid):
                 continue
             try:
                 target = req.targets.get(dst) or self._target(dst, req)

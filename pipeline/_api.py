@@ -53,6 +53,11 @@ class SinkOutput:
 ABANDON_GRACE_S = 0.05
 
 
+def _admitted(starting: asyncio.Future[ClientRequest]) -> bool:
+    """Whether ``starting`` (an ``Orchestrator.start``) admitted its request."""
+    return starting.done() and not starting.cancelled() and starting.exception() is None
+
+
 class ResponseStream:
     """The outputs of one request, in order; leaving early aborts the request everywhere.
 
@@ -111,8 +116,17 @@ class ResponseStream:
                 # withdraws it, as before (any other caller then sees the cancellation).
                 req = await starting
             except BaseException:
-                if starting.done() and self._starting is starting:
+                if self._req is None and _admitted(starting):
+                    # Admitted in the turn this caller was cancelled in: kept, so that
+                    # closing or dropping the stream ends it (it would hold its slot and
+                    # its state in every stage for ever).
+                    self._req = starting.result()
+                elif starting.done() and self._starting is starting:
                     self._starting = None  # a later start() tries again
+                task = asyncio.current_task()
+                if starting.cancelled() and self._done and not (task and task.cancelling()):
+                    # Not this caller's cancellation: aclose() withdrew the request.
+                    raise RequestAborted("(not started)", "the stream was closed") from None
                 raise
             if self._req is None:
                 self._req = req
@@ -163,6 +177,12 @@ class ResponseStream:
             Nothing: aborting a finished request does nothing.
         """
         self._done = True
+        starting = self._starting
+        if self._req is None and starting is not None:
+            if _admitted(starting):
+                self._req = starting.result()
+            else:
+                starting.cancel()  # still waiting for admission: it never starts
         if self._req is not None and self._pipe._master is not None:
             self._pipe._master.orch.abort(self._req.request_id, "cancelled by client")
 

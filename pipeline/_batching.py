@@ -112,7 +112,8 @@ class Batcher:
                 # batch fails, the next one runs.
                 self._fail(batch, RuntimeError(_OWN_CANCEL))
                 return
-            except Exception as exc:
+            # As a handler's (see StageActor._run): the batch's failure, not the worker's end.
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:
                 self._fail(batch, exc)
                 return
             for (_, _, fut, _), result in zip(batch, results, strict=True):
@@ -121,7 +122,7 @@ class Batcher:
             return
 
     @staticmethod
-    def _fail(batch: list[_Entry], exc: Exception) -> None:
+    def _fail(batch: list[_Entry], exc: BaseException) -> None:
         for _, _, fut, _ in batch:
             if not fut.done():
                 fut.set_exception(exc)

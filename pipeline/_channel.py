@@ -1047,7 +1047,8 @@ class InputChannel:
                 got = await inflow.buffer.get()
         item, final = got
         if item[1] is not None and (item[0] != "inline" or self._inline is None):
-            inflow.fetching = (asyncio.ensure_future(self.fetch(item)), item, final)
+            fetching = self.fetch(item, inflow.buffer.request_id)
+            inflow.fetching = (asyncio.ensure_future(fetching), item, final)
             return await self._fetched(inflow)
         return self._deliver(inflow, item, final)
 
@@ -1125,7 +1126,7 @@ class InputChannel:
         if sender:
             self._send(sender, encode_message(Credit(request_id, self.plan.name, 0, True)))
 
-    async def fetch(self, item: Item) -> Any:
+    async def fetch(self, item: Item, request_id: str | None = None) -> Any:
         """Materialise and decode an item's payload, then release the transport's hold.
 
         Raises:
@@ -1145,6 +1146,7 @@ class InputChannel:
             raise StageUnavailable(
                 self.plan.src,
                 f"its replica holding a payload of edge {self.plan.name!r} is gone ({exc})",
+                request_id=request_id,
             ) from exc
         finally:
             await recv.release(descriptor)

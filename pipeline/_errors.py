@@ -259,7 +259,7 @@ def error_to_failure(exc: BaseException, *, stage: str, request_id: str) -> Fail
         )
     if isinstance(exc, TransportError):
         return FailureInfo("transport", f"stage {stage!r}: {exc}", request_id, stage)
-    if isinstance(exc, StageUnavailable) and exc.request_id in (None, request_id):
+    if isinstance(exc, StageUnavailable) and exc.request_id == request_id:
         return FailureInfo("unavailable", exc.message, request_id, exc.stage)
     text = message_of(exc)
     message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__

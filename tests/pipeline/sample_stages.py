@@ -206,7 +206,16 @@ class Misbehaves(Stage):
                 raise ChunkGap("a-request-of-another-pipeline", "x->y", 3, 1.0)
             case "another pipeline's stage":
                 raise StageUnavailable("inner", "it died", request_id="another-request")
+            case "another pipeline's stage, no id":
+                # As another pipeline's submit() raises it when it has no ready replica.
+                raise StageUnavailable("inner", "no replica is ready after waiting 1s")
         return text
+
+    async def process_batch(self, texts: list[Text], ctxs: list[Context]) -> list[Text]:
+        """As process, for a whole batch."""
+        if any(t.value == "sys.exit" for t in texts):
+            raise SystemExit(3)
+        return texts
 
 
 class HoldsOnCancelled(Stage):

@@ -147,3 +147,22 @@ async def test_a_join_that_starves_one_input_says_so_when_the_other_gaps() -> No
         assert await asyncio.wait_for(pipe.submit(Text("4")), 10) == Text("4/4")
         with pytest.raises(ChunkGap, match=r"'right->join' holds \d+ chunks the handler has"):
             await asyncio.wait_for(pipe.submit(Text("200")), 20)
+
+
+async def test_a_join_that_holds_up_its_own_producer_gaps_rather_than_hangs() -> None:
+    """left streams to right (a relay) and to the join, which reads left's stream to its
+    end first: right waits for the join's credit, left for right's, and the join for left.
+    Told by left that its chunks were held (left waits on right), the join waited on for
+    ever; it is what holds left up, so now it takes no such notice and its ChunkGap says
+    which input holds a full window unread."""
+    s = spec(
+        {"left": ":Tokens", "right": ":Relay", "join": ":LeftThenRight"},
+        [("left", "right"), ("left", "join"), ("right", "join")],
+        window=4,
+        chunk_timeout="1s",
+    )
+    async with Pipeline(s) as pipe:
+        assert await asyncio.wait_for(pipe.submit(Text("a b")), 10) == Text("2/2")
+        words = " ".join(f"w{i}" for i in range(50))
+        with pytest.raises(ChunkGap, match=r"'right->join' holds \d+ chunks the handler has"):
+            await asyncio.wait_for(pipe.submit(Text(words)), 20)

@@ -59,28 +59,39 @@ async def test_stage_exception_fails_only_that_request(chain: Pipeline) -> None:
 
 
 @pytest.mark.parametrize(
-    ("value", "said"),
+    ("value", "said", "batch"),
     [
-        ("sys.exit", "SystemExit: 3"),
-        ("keyboard interrupt", "KeyboardInterrupt"),
-        ("no message", "_NoMessage: <the message of this _NoMessage could not be made"),
-        ("another pipeline's gap", "ChunkGap: request a-request-of-another-pipeline"),
-        ("another pipeline's stage", "StageUnavailable: stage 'inner' unavailable"),
+        ("sys.exit", "SystemExit: 3", 1),
+        ("keyboard interrupt", "KeyboardInterrupt", 1),
+        ("no message", "_NoMessage: <the message of this _NoMessage could not be made", 1),
+        ("another pipeline's gap", "ChunkGap: request a-request-of-another-pipeline", 1),
+        ("another pipeline's stage", "StageUnavailable: stage 'inner' unavailable", 1),
+        ("another pipeline's stage, no id", "StageUnavailable: stage 'inner' unavailable", 1),
+        ("sys.exit", "SystemExit: 3", 4),  # from process_batch
     ],
+    ids=["exit", "interrupt", "no message", "gap", "unavailable", "no id", "batch exit"],
 )
-async def test_whatever_a_handler_raises_fails_that_request_alone(value: str, said: str) -> None:
-    """Each of these ended worse: sys.exit() in a handler ended its worker, failing every
-    request of the replica (and, after three restarts, the stage for good); an exception
-    whose message cannot be made, or a ChunkGap from a pipeline the handler calls, killed
-    the handler's task unreported, and the request hung; another pipeline's
-    StageUnavailable blamed a stage of that pipeline."""
-    async with Pipeline(spec({"n": ":Misbehaves"}, [])) as pipe:
+async def test_whatever_a_handler_raises_fails_that_request_alone(
+    value: str, said: str, batch: int
+) -> None:
+    """Each of these ended worse: sys.exit() in a handler (or in process_batch) ended its
+    worker, failing every request of the replica (and, after three restarts, the stage
+    for good); an exception whose message cannot be made, or a ChunkGap from a pipeline
+    the handler calls, killed the handler's task unreported, and the request hung; another
+    pipeline's StageUnavailable blamed a stage of that pipeline."""
+    async with Pipeline(spec({"n": {"impl": ":Misbehaves", "max_batch_size": batch}}, [])) as pipe:
         pid = pipe.worker_pids["n", 0]
-        others = [asyncio.ensure_future(pipe.submit(Text(f"ok {i}"))) for i in range(5)]
+        # Requests at once with it, but for a batch's (which fails whole, as documented).
+        others = [
+            asyncio.ensure_future(pipe.submit(Text(f"ok {i}")))
+            for i in range(5 if batch == 1 else 0)
+        ]
         with pytest.raises(StageError) as info:
             await asyncio.wait_for(pipe.submit(Text(value)), 30)
         assert info.value.stage == "n" and said in str(info.value), str(info.value)
-        assert [o.value for o in await asyncio.gather(*others)] == [f"ok {i}" for i in range(5)]
+        assert [o.value for o in await asyncio.gather(*others)] == [
+            f"ok {i}" for i in range(len(others))
+        ]
         assert await pipe.submit(Text("after")) == Text("after")
         assert pipe.worker_pids["n", 0] == pid  # served on, never restarted
 
@@ -359,3 +370,41 @@ async def test_a_handler_that_ignores_its_cancellation_shows_in_the_statistics()
             return bool(replica["active"] == 0 and replica["cancelling"] == 1)
 
         await wait_for(cancelling, 10)
+
+
+async def test_a_start_cancelled_as_its_request_is_admitted_leaves_no_request() -> None:
+    """A caller of start() cancelled in the very turn its request was admitted: the stream
+    never recorded the request, so nothing ended it, and it held its admission slot and
+    its state in every stage for ever (four such locked a pipeline of max_inflight 4)."""
+    async with Pipeline(spec({"echo": ":Echo"}, [], max_inflight=4)) as pipe:
+        for _ in range(8):
+            stream = pipe.stream(Text("x"))
+            starting = asyncio.ensure_future(stream.start())
+            # Turn by turn, to cancel the caller in the turn its request is admitted (it is
+            # woken in the next one).
+            for _ in range(10_000):
+                await asyncio.sleep(0)
+                if stream._starting is not None and stream._starting.done():
+                    break
+            starting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await starting
+            await stream.aclose()
+        await wait_for(lambda: not pipe._master_here().orch.requests, 10)
+        assert await asyncio.wait_for(pipe.submit(Text("y")), 10) == Text("y")
+
+
+async def test_a_stream_closed_while_another_task_starts_it_starts_nothing() -> None:
+    """aclose() while start() waited for a slot: the start went on, admitted a request
+    that nothing would end, and the reader got it."""
+    async with Pipeline(spec({"echo": ":Echo"}, [], max_inflight=1)) as pipe:
+        busy = asyncio.ensure_future(pipe.submit(Text("sleep 0.5")))
+        await wait_for(lambda: bool(pipe._master_here().orch.requests))
+        stream = pipe.stream(Text("x"))
+        starting = asyncio.ensure_future(stream.start())
+        await asyncio.sleep(0)  # start() now waits for the slot
+        await stream.aclose()
+        with pytest.raises(RequestAborted, match="the stream was closed"):
+            await starting
+        assert await busy == Text("sleep 0.5")
+        assert not pipe._master_here().orch.requests

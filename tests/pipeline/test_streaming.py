@@ -165,16 +165,22 @@ async def _held(pipe: Pipeline, stage: str) -> int:
     return sum(r["held"] for r in stats["replicas"] if r["stage"] == stage)
 
 
-async def test_a_consumer_starved_by_a_slow_sibling_is_told_its_chunks_are_held() -> None:
+@pytest.mark.parametrize("between", [False, True], ids=["next", "a stage between"])
+async def test_a_consumer_starved_by_a_slow_sibling_is_told_its_chunks_are_held(
+    between: bool,
+) -> None:
     """tokens feeds relay (streaming to the client) and count. The client stops reading:
     relay's window fills, then tokens' window to relay, and count gets nothing. Its wait
     for its next chunk passed chunk_timeout and failed a healthy request with a ChunkGap,
-    advising a longer timeout. Now tokens tells count its chunks are held, not lost."""
-    s = spec(
-        {"tokens": ":Tokens", "relay": ":Relay", "count": ":Count"},
-        [("tokens", "relay"), ("tokens", "count")],
-        window=4, chunk_timeout="1s",
-    )  # fmt: skip
+    advising a longer timeout. Now tokens tells count its chunks are held, not lost; with
+    a stage between them (waiting for tokens, so sending nothing), that stage tells count
+    in turn."""
+    stages = {"tokens": ":Tokens", "relay": ":Relay", "count": ":Count"}
+    edges = [("tokens", "relay"), ("tokens", "count")]
+    if between:
+        stages["relay2"] = ":Relay"
+        edges[1:] = [("tokens", "relay2"), ("relay2", "count")]
+    s = spec(stages, edges, window=4, chunk_timeout="1s")
     words = [f"w{i}" for i in range(200)]
     async with Pipeline(s) as pipe:
         relayed: list[str] = []
