@@ -134,6 +134,9 @@ def _jpeg_scans(data: bytes) -> int:
         if marker == 0xFF:  # fill byte before a marker
             at += 1
             continue
+        if marker == 0x00:  # no marker: the decoder drops the pair as junk and reads on
+            at += 2
+            continue
         if marker == 0xD9:  # end of image
             return scans
         if marker in _STANDALONE_MARKERS:
