@@ -11,7 +11,6 @@ import collections.abc
 import difflib
 import importlib
 import inspect
-import json
 import types
 import typing
 from collections.abc import Mapping
@@ -244,24 +243,69 @@ def _check_codecs(stages: dict[str, StagePlan]) -> None:
                 ) from None
 
 
-def _validated(model: type[BaseModel], params: dict[str, Any]) -> BaseModel:
-    """``params`` as ``model``, strictly as JSON would be read: a number is not taken for
-    text, nor text or ``true`` for a number (``max_new_tokens: "10"`` or ``true`` were
-    accepted as 10 and 1), while text still reads as a path, an enum or a date. A model
-    that names its own ``strict`` setting is validated as it says; params holding values
-    JSON has no form for (given from Python) are validated as given.
+#: The value kinds YAML may give a field of each plain type: pydantic's lax mode would
+#: also take text or ``true`` for a number, and a number for text.
+_PLAIN_KINDS: dict[Any, tuple[type, ...]] = {
+    int: (int,),
+    float: (int, float),
+    bool: (bool,),
+    str: (str,),
+}
+
+
+def _plain_kinds(annotation: Any) -> tuple[tuple[type, ...], bool] | None:
+    """The kinds a field of a plain type (``int``, ``float | None``, ...) takes, and
+    whether None is one; None for any other field."""
+    kinds = _PLAIN_KINDS.get(annotation)
+    if kinds is not None:
+        return kinds, False
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 2:
+        (other,) = [a for a in args if a is not type(None)] or [None]
+        if type(None) in args and other in _PLAIN_KINDS:
+            return _PLAIN_KINDS[other], True
+    return None
+
+
+def _refuse_coerced(params: dict[str, Any], model: type[BaseModel], stage: str) -> None:
+    """Refuse a value of another kind than its field's plain type: ``max_new_tokens: "10"``
+    or ``true`` passed (pydantic's lax mode read them as 10 and 1), where validation is
+    strict. A model or field that names its own strictness, and a field a validator reads
+    first (it may turn text into a number on purpose), are left to pydantic.
 
     Raises:
-        ValidationError: the params do not validate.
+        ConfigError: naming the param, the kind it wants and the value given.
     """
-    if model.model_config.get("strict") is None:
-        try:
-            text = json.dumps(params, allow_nan=True)
-        except (TypeError, ValueError):
-            pass
-        else:
-            return model.model_validate_json(text, strict=True)
-    return model.model_validate(params)
+    if model.model_config.get("strict") is not None:
+        return
+    decorators = model.__pydantic_decorators__
+    if any(d.info.mode in ("before", "wrap") for d in decorators.model_validators.values()):
+        return
+    read_first: set[str] = set()
+    for d in decorators.field_validators.values():
+        if d.info.mode in ("before", "wrap", "plain"):
+            read_first.update(d.info.fields)
+    if "*" in read_first:
+        return
+    for name, info in model.model_fields.items():
+        plain = _plain_kinds(info.annotation)
+        if plain is None or name in read_first:
+            continue
+        if any(type(m).__name__ == "Strict" for m in info.metadata):
+            continue
+        key = name if name in params else info.alias
+        if key is None or key not in params:
+            continue
+        value = params[key]
+        kinds, optional = plain
+        if value is None and optional:
+            continue
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            hint = " (quoted: write it without quotes)" if isinstance(value, str) else ""
+            raise ConfigError(
+                f"expected {type_name(info.annotation)}, got {value!r}{hint}",
+                path=f"stages.{stage}.params.{key}",
+            )
 
 
 def _validate_params(spec: StageSpec, cls: type[Stage], stage: str) -> Any:
@@ -276,8 +320,9 @@ def _validate_params(spec: StageSpec, cls: type[Stage], stage: str) -> Any:
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         raise ConfigError(f"{cls.__name__}.Params must be a pydantic model", path=f"stages.{stage}")
     _refuse_unknown_params(spec.params, model, cls.__name__, stage)
+    _refuse_coerced(spec.params, model, stage)
     try:
-        return _validated(model, spec.params)
+        return model.model_validate(spec.params)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])

@@ -3,9 +3,18 @@ take must pass the check for misspelt params, and only those."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
-from pydantic import AliasChoices, AliasPath, BaseModel, ConfigDict, Field, RootModel
+from pydantic import (
+    AliasChoices,
+    AliasPath,
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    field_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from pipeline import Context, Stage
@@ -50,9 +59,22 @@ class Kinds(_Echo):
         name: str = ""
         where: Path = Path(".")
         on: bool = False
+        maybe: int | None = None
 
 
 class Lax(_Echo):
     class Params(BaseModel):
         model_config = ConfigDict(strict=False)
         count: int = 1
+
+
+class Loose(_Echo):
+    class Params(BaseModel):
+        loose: int = Field(1, strict=False)
+        size: int = 0
+        timeout: timedelta = timedelta(0)
+
+        @field_validator("size", mode="before")
+        @classmethod
+        def _kilo(cls, value: object) -> object:
+            return int(value[:-1]) * 1000 if isinstance(value, str) else value
