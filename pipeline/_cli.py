@@ -61,7 +61,7 @@ from pipeline._errors import (
 )
 from pipeline._host import is_wildcard, split_endpoint, tcp_endpoint
 from pipeline._logging import configure_logging
-from pipeline._report import render_tables
+from pipeline._report import print_tables, render_tables
 from pipeline._security import (
     KEYS_ENV,
     CurveKeys,
@@ -345,8 +345,9 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     if len(shown) < len(outputs):
         console.print(f"({len(outputs) - len(shown)} more outputs; --print-outputs shows all)")
     spec = pipe.spec
-    for table in render_tables(stats, [e.name for e in spec.edges], spec.topological_order()):
-        console.print(table)
+    print_tables(
+        console, render_tables(stats, [e.name for e in spec.edges], spec.topological_order())
+    )
     if stats.get("unanswered"):
         # Their figures are not in the tables: say so, rather than show partial sums.
         silent = ", ".join(stats["unanswered"])

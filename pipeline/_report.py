@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from rich import box
+from rich.cells import cell_len
+from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
-__all__ = ("edge_rows", "render_tables", "stage_rows")
+__all__ = ("edge_rows", "print_tables", "render_tables", "stage_rows")
 
 
 def _size(n: float) -> str:
@@ -187,6 +190,15 @@ def render_tables(
     return tables
 
 
+def print_tables(console: Console, tables: list[Table]) -> None:
+    """Print ``tables`` whole: where the terminal is narrower than the names and figures
+    need, their lines are longer than it (and wrap there), not cut to it."""
+    wide = console.options.update(max_width=1 << 16)
+    for table in tables:
+        need = Measurement.get(console, wide, table).minimum
+        console.print(table, width=max(console.width, need), crop=False)
+
+
 def _table(
     title: str, columns: tuple[str, ...], cells: list[list[str]], free: tuple[str, ...] = ()
 ) -> Table:
@@ -206,7 +218,7 @@ def _table(
             table.add_column(col, justify="left", overflow="fold")
             continue
         values = [row[k] for row in cells]
-        widest = max((len(v) for v in values), default=0)
+        widest = max((cell_len(v) for v in values), default=0)
         # A header well longer than its figures takes a line per word.
         header = col if len(col) < widest + 3 else "\n".join(col.split())
         width = max([widest] + [len(w) for w in header.splitlines()])
