@@ -89,7 +89,8 @@ class TokenService:
                     writer.write(_line(chunk))
                     # A slow reader slows its own request down, and no other.
                     await writer.drain()
-        except msgspec.DecodeError as e:
+        # DecodeError, UnicodeDecodeError and the rest of _request's are ValueErrors.
+        except ValueError as e:
             writer.write(_line(Failed(f"bad request line: {e}")))
         except PipelineError as e:
             # A bad image or prompt fails this request alone, as a StageError saying why.
@@ -109,23 +110,25 @@ class TokenService:
             await asyncio.wait(list(self._clients))
 
 
-#: What a request line may hold.
-_FIELDS = frozenset(VLMRequest.__struct_fields__)
+class _RequestLine(VLMRequest, forbid_unknown_fields=True):
+    """A request as a line holds it: a field it does not know is an error, as in
+    ``stagewire`` (a misspelt one would be ignored)."""
+
+
+_decode_line = msgspec.json.Decoder(_RequestLine).decode
 
 
 def _request(line: bytes) -> VLMRequest:
-    """The request a line holds; a field it does not know is an error, as in ``stagewire``.
+    """The request a line holds.
 
     Raises:
-        msgspec.DecodeError: the line is not JSON, not a request, or names an unknown field.
+        ValueError: the line is not JSON, not a request, names an unknown field, nests too
+            deeply or is not UTF-8 (the message says which).
     """
-    raw = msgspec.json.decode(line)
-    if isinstance(raw, dict) and (unknown := sorted(set(raw) - _FIELDS)):
-        raise msgspec.ValidationError(
-            f"unknown field {', '.join(map(repr, unknown))}; a request has "
-            f"{', '.join(sorted(_FIELDS))}"
-        )
-    return msgspec.json.decode(line, type=VLMRequest)
+    try:
+        return _decode_line(line)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _line(reply: msgspec.Struct) -> bytes:
@@ -195,17 +198,15 @@ async def demo(port: int, requests: Sequence[VLMRequest]) -> None:
         await writer.wait_closed()
 
 
-async def serve(config: Path, port: int, *, requests: int, forever: bool) -> None:
-    """Start the pipeline and the service; run the demo client, or serve until SIGTERM.
+async def serve(config: Path, listening: socket.socket, *, requests: int, forever: bool) -> None:
+    """Start the pipeline and serve it on ``listening``; run the demo client, or serve
+    until SIGTERM.
 
     Raises:
-        OSError: ``port`` cannot be listened on (in use, say).
         ConfigError: the pipeline's YAML is invalid, or not there.
         PipelineError: the pipeline failed to start.
         RequestFailed: a demo request failed.
     """
-    # Bound first: a port in use is refused at once, not after the pipeline has started.
-    listening = socket.create_server(("127.0.0.1", port))
     async with Pipeline.from_yaml(config) as pipe:
         service = TokenService(pipe)
         server = await asyncio.start_server(service.handle, sock=listening, limit=MAX_LINE)
@@ -238,16 +239,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--serve", action="store_true", help="serve until SIGTERM or Ctrl-C")
     args = parser.parse_args(argv)
     try:
-        asyncio.run(serve(args.config, args.port, requests=args.requests, forever=args.serve))
+        # Bound first: a port in use is refused at once, not after the pipeline has started.
+        listening = socket.create_server(("127.0.0.1", args.port))
+    except OSError as e:
+        print(f"error: cannot listen on 127.0.0.1:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    try:
+        with listening:
+            asyncio.run(serve(args.config, listening, requests=args.requests, forever=args.serve))
     except RequestFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        why = e.strerror or str(e)
-        print(f"error: cannot listen on 127.0.0.1:{args.port}: {why}", file=sys.stderr)
         return 2
     except PipelineError as e:
         print(f"error: the pipeline did not start: {e}", file=sys.stderr)
