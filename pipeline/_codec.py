@@ -348,6 +348,15 @@ def _dec_hook(type_: Any, obj: Any) -> Any:
     """
     if isinstance(type_, type) and isinstance(obj, type_):
         return obj
+    torch = sys.modules.get("torch")
+    if (
+        torch is not None
+        and isinstance(type_, type)
+        and issubclass(type_, torch.Tensor)
+        and type(obj) is torch.Tensor
+    ):
+        # A field declared as a tensor subclass: the wire carries a tensor's bytes only.
+        return obj.as_subclass(type_)
     name = getattr(type_, "__qualname__", repr(type_))
     raise TypeError(f"Expected `{name}`, got `{type(obj).__name__}`")
 
@@ -451,7 +460,13 @@ class PayloadCodec(Generic[T]):
             if self._narrow is not None:
                 # Its consumer decodes the declared class: a subclass's tag or extra fields
                 # would not decode there.
-                value = _narrowed(value, self._narrow)
+                try:
+                    value = _narrowed(value, self._narrow)
+                except Exception as e:  # the declared class's own __post_init__, say
+                    raise PayloadError(
+                        f"cannot send {type(value).__qualname__} as the declared "
+                        f"{check.__qualname__}: {type(e).__name__}: {e}"
+                    ) from e
         # Only the encode hook sets ``outgoing``, and every exit below clears it again, so
         # a payload without tensors touches the thread-local state once.
         try:
@@ -555,7 +570,7 @@ class PayloadCodec(Generic[T]):
         return PayloadError(f"invalid {self._name()} payload: {message}", field=field)
 
     def _name(self) -> str:
-        return self._check.__qualname__ if self._check is not None else repr(self.type)
+        return type_name(self.type)
 
     def __repr__(self) -> str:
         return f"PayloadCodec({self._name()})"

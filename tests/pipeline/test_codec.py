@@ -390,6 +390,37 @@ def test_a_tensor_subclass_of_any_module_encodes_as_a_tensor() -> None:
     assert torch.equal(out.pixels, torch.arange(4.0))
 
 
+class _LabelledImage(msgspec.Struct):
+    pixels: _Labelled
+
+
+def test_a_field_declared_as_a_tensor_subclass_decodes_as_one() -> None:
+    """It passed the build-time check and encoded, then failed every decode: the wire
+    rebuilds a plain tensor, which the field refused."""
+    codec = codec_for(_LabelledImage)
+    out = codec.decode(codec.encode(_LabelledImage(torch.arange(3.0).as_subclass(_Labelled))))
+    assert type(out.pixels) is _Labelled and torch.equal(out.pixels, torch.arange(3.0))
+
+
+class _Abstract(msgspec.Struct):
+    n: int
+
+    def __post_init__(self) -> None:
+        if type(self) is _Abstract:
+            raise TypeError("send a subclass")
+
+
+class _Concrete(_Abstract):
+    pass
+
+
+def test_a_subclass_its_declared_class_refuses_to_become_is_a_payload_error() -> None:
+    """Sent as the declared class, which its own __post_init__ refuses: a bare TypeError
+    escaped encode."""
+    with pytest.raises(PayloadError, match="cannot send _Concrete as the declared _Abstract"):
+        codec_for(_Abstract).encode(_Concrete(1))
+
+
 class _Tagged(msgspec.Struct, tag=True):
     n: int
 
