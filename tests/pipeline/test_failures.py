@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -16,6 +17,7 @@ from pipeline import (
     Pipeline,
     RequestAborted,
     RequestTimeout,
+    ResponseStream,
     StageError,
 )
 from pipeline import _orchestrator as orchestrator_module
@@ -311,11 +313,7 @@ async def test_start_while_the_stream_is_read_submits_one_request() -> None:
     slot: each submitted a request of its own, and the one nobody read held its slot and
     its state in every stage for ever."""
     async with Pipeline(spec({"echo": ":Echo"}, [], max_inflight=1)) as pipe:
-        busy = asyncio.ensure_future(pipe.submit(Text("sleep 0.3")))
-        await wait_for(lambda: bool(pipe._master_here().orch.requests))
-        stream = pipe.stream(Text("x"))
-        starting = asyncio.ensure_future(stream.start())
-        await asyncio.sleep(0)  # start() now waits for the slot
+        busy, stream, starting = await _starting_behind_another(pipe, "sleep 0.3")
 
         async def read() -> list[object]:
             return [chunk async for chunk in stream]
@@ -398,13 +396,22 @@ async def test_a_stream_closed_while_another_task_starts_it_starts_nothing() -> 
     """aclose() while start() waited for a slot: the start went on, admitted a request
     that nothing would end, and the reader got it."""
     async with Pipeline(spec({"echo": ":Echo"}, [], max_inflight=1)) as pipe:
-        busy = asyncio.ensure_future(pipe.submit(Text("sleep 0.5")))
-        await wait_for(lambda: bool(pipe._master_here().orch.requests))
-        stream = pipe.stream(Text("x"))
-        starting = asyncio.ensure_future(stream.start())
-        await asyncio.sleep(0)  # start() now waits for the slot
+        busy, stream, starting = await _starting_behind_another(pipe, "sleep 0.5")
         await stream.aclose()
         with pytest.raises(RequestAborted, match="the stream was closed"):
             await starting
         assert await busy == Text("sleep 0.5")
         assert not pipe._master_here().orch.requests
+
+
+async def _starting_behind_another(
+    pipe: Pipeline, busy: str
+) -> tuple[asyncio.Future[Any], ResponseStream, asyncio.Future[str]]:
+    """In a pipeline of one admission slot: a request of ``busy`` holding it, a stream of
+    "x", and that stream's start() in a task, waiting for the slot."""
+    holding = asyncio.ensure_future(pipe.submit(Text(busy)))
+    await wait_for(lambda: bool(pipe._master_here().orch.requests))
+    stream = pipe.stream(Text("x"))
+    starting = asyncio.ensure_future(stream.start())
+    await asyncio.sleep(0)  # start() now waits for the slot
+    return holding, stream, starting
