@@ -24,6 +24,7 @@ torch and numpy are imported lazily, so a stage that moves no tensors never pays
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import math
 import sys
@@ -341,22 +342,35 @@ def _ext_hook_onto(code: int, data: memoryview) -> Any:
 
 
 def _dec_hook(type_: Any, obj: Any) -> Any:
-    """Accept ``obj`` for a field of a custom type (a tensor or array) if it is one already.
+    """Accept ``obj`` for a field of a custom type (a tensor or array) if it is one already,
+    or the other of the two: a numpy array where a tensor is declared becomes one (sharing
+    its memory), and a CPU tensor where an array is declared.
 
     The extension hook has rebuilt tensors and arrays before msgspec asks about the field's
-    type, so there is nothing to convert, only a kind to check.
+    type, so there is nothing else to convert, only a kind to check.
     """
     if isinstance(type_, type) and isinstance(obj, type_):
         return obj
     torch = sys.modules.get("torch")
+    if torch is not None and isinstance(type_, type) and issubclass(type_, torch.Tensor):
+        if type(obj) is torch.Tensor:
+            # A field declared as a tensor subclass: the wire carries a tensor's bytes only.
+            return obj.as_subclass(type_)
+        np = sys.modules.get("numpy")
+        if np is not None and isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
+            # (A read-only array, decoded from bytes, is copied: torch would warn.)
+            t = torch.from_numpy(obj if obj.flags.writeable else obj.copy())
+            return t if type_ is torch.Tensor else t.as_subclass(type_)
+    np = sys.modules.get("numpy")
     if (
-        torch is not None
-        and isinstance(type_, type)
-        and issubclass(type_, torch.Tensor)
-        and type(obj) is torch.Tensor
+        np is not None
+        and type_ is np.ndarray
+        and torch is not None
+        and isinstance(obj, torch.Tensor)
+        and obj.device.type == "cpu"
     ):
-        # A field declared as a tensor subclass: the wire carries a tensor's bytes only.
-        return obj.as_subclass(type_)
+        with contextlib.suppress(TypeError):  # a dtype numpy lacks (bfloat16): refused below
+            return obj.numpy()
     name = getattr(type_, "__qualname__", repr(type_))
     raise TypeError(f"Expected `{name}`, got `{type(obj).__name__}`")
 

@@ -333,8 +333,9 @@ def test_decode_type_mismatch_names_field() -> None:
 
 
 def test_decode_tensor_field_rejects_non_tensor() -> None:
-    """A tensor-typed field holding a number or an array raises PayloadError naming it."""
-    for wrong in (3, np.zeros(2)):
+    """A tensor-typed field holding a number or text raises PayloadError naming it (an
+    array is taken for a tensor: see test_an_array_and_a_tensor_each_decode_...)."""
+    for wrong in (3, "pixels"):
         encoded = codec_for(Any).encode({"pixels": wrong})
         with pytest.raises(PayloadError) as info:
             codec_for(Image).decode(encoded)
@@ -400,6 +401,25 @@ def test_a_field_declared_as_a_tensor_subclass_decodes_as_one() -> None:
     codec = codec_for(_LabelledImage)
     out = codec.decode(codec.encode(_LabelledImage(torch.arange(3.0).as_subclass(_Labelled))))
     assert type(out.pixels) is _Labelled and torch.equal(out.pixels, torch.arange(3.0))
+
+
+class _Array(msgspec.Struct):
+    values: np.ndarray
+
+
+def test_an_array_and_a_tensor_each_decode_where_the_other_is_declared() -> None:
+    """A numpy array sent where a tensor is declared (a raw uint8 image, say) was refused at
+    the consumer: "Expected `Tensor`, got `ndarray`". Each is now taken for the other."""
+    pixels = np.arange(24, dtype=np.uint8).reshape(2, 4, 3)
+    out = codec_for(Image).decode(codec_for(Image).encode(Image(pixels)))  # type: ignore[arg-type]
+    assert isinstance(out.pixels, torch.Tensor) and out.pixels.dtype == torch.uint8
+    assert out.pixels.numpy().tolist() == pixels.tolist()
+    back = codec_for(_Array).decode(codec_for(_Array).encode(_Array(torch.arange(3))))  # type: ignore[arg-type]
+    assert isinstance(back.values, np.ndarray) and back.values.tolist() == [0, 1, 2]
+    with pytest.raises(PayloadError, match="Expected `ndarray`, got `Tensor`"):
+        codec_for(_Array).decode(
+            codec_for(_Array).encode(_Array(torch.zeros(2, dtype=torch.bfloat16)))
+        )  # type: ignore[arg-type]
 
 
 class _Abstract(msgspec.Struct):
