@@ -236,7 +236,10 @@ def _decode_image(data: bytes) -> torch.Tensor:
             return torch.from_numpy(_rgb_array(image, data))
 
 
-def _check_pixels(pixels: torch.Tensor) -> torch.Tensor:
+def _check_pixels(pixels: torch.Tensor | NDArray[np.generic]) -> torch.Tensor:
+    if isinstance(pixels, np.ndarray):
+        # As the wire turns an array into a tensor (a request made in this process).
+        pixels = torch.from_numpy(np.array(pixels, copy=not pixels.flags.writeable))
     shape = tuple(pixels.shape)
     if pixels.dtype != torch.uint8 or len(shape) != 3 or shape[2] != 3:
         raise InvalidRequest(

@@ -67,17 +67,17 @@ def _encoded_images() -> list[bytes]:
 
 def _inputs() -> list[VLMRequest]:
     """12 shipped samples (PNG bytes), 6 encoded in other ways (JPEG, palette and RGBA PNG),
-    and 12 seeded random images of assorted sizes (raw pixels)."""
+    and 12 seeded random images of assorted sizes (raw pixels: every other one a numpy
+    array, the rest tensors)."""
     print(f"seed {SEED}")
     rng = np.random.default_rng(SEED)
+    arrays = [rng.integers(0, 256, (9 + 7 * i, 50 - 3 * i, 3), dtype=np.uint8) for i in range(12)]
     raw = [
         VLMRequest(
             prompt=PROMPTS[i % len(PROMPTS)],
-            pixels=torch.from_numpy(
-                rng.integers(0, 256, (9 + 7 * i, 50 - 3 * i, 3), dtype=np.uint8)
-            ),
+            pixels=array if i % 2 else torch.from_numpy(array),  # type: ignore[arg-type]
         )
-        for i in range(12)
+        for i, array in enumerate(arrays)
     ]
     encoded_images = [
         VLMRequest(prompt=PROMPTS[(i + 2) % len(PROMPTS)], image=data)
