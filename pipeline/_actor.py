@@ -884,18 +884,15 @@ class StageActor:
         the last chunk's in a loop variable say): the producer may wait for the room they
         pin in its arena.
         """
-        advice = None
-        for edge, inflow in req.inflows.items():
-            window = self._inputs_by_edge[edge][1].plan.window
-            if edge != gap.edge and inflow.buffer.buffered >= window:
-                advice = (
-                    f"meanwhile edge {edge!r} holds {inflow.buffer.buffered} chunks the "
-                    "handler has not read, a full credit window, so its producer waits for "
-                    "credit; if that producer also feeds this edge, it never sends the "
-                    "missing chunk: read both inputs as they come (or raise "
-                    f"{edge!r}'s window past the stream's length)"
-                )
-                break
+        edge = self._full_elsewhere(req, gap.edge)
+        if edge is not None:
+            advice = (
+                f"meanwhile edge {edge!r} holds {req.inflows[edge].buffer.buffered} chunks "
+                "the handler has not read, a full credit window, so its producer waits for "
+                "credit; if that producer also feeds this edge, it never sends the "
+                "missing chunk: read both inputs as they come (or raise "
+                f"{edge!r}'s window past the stream's length)"
+            )
         else:
             held = self._inputs_by_edge[gap.edge][1].held_in_place()
             if not held:
@@ -1038,17 +1035,22 @@ class StageActor:
         """
         req = self._requests.get(msg.request_id)
         inflow = req.inflows.get(msg.edge) if req is not None else None
-        if req is None or inflow is None:
+        if req is None or inflow is None or self._full_elsewhere(req, msg.edge) is not None:
             return
-        for edge, other in req.inflows.items():
-            if (
-                edge != msg.edge
-                and other.buffer.buffered >= self._inputs_by_edge[edge][1].plan.window
-            ):
-                return
         inflow.buffer.alive()
         if inflow.buffer.waiting:
             self._tell_held(req, None)
+
+    def _full_elsewhere(self, req: _Request, edge: str) -> str | None:
+        """An input of ``req`` other than ``edge`` that holds a full window of chunks the
+        handler has not read (its producer waits for credit), if there is one."""
+        for other, inflow in req.inflows.items():
+            if (
+                other != edge
+                and inflow.buffer.buffered >= self._inputs_by_edge[other][1].plan.window
+            ):
+                return other
+        return None
 
     def _tell_held(self, req: _Request, held_by: str | None) -> None:
         """Send ``Held`` to the consumers of ``req`` on every output but ``held_by``."""
