@@ -1025,17 +1025,13 @@ class StageActor:
 
     def _on_held(self, msg: Held) -> None:
         """The producer of ``msg.edge`` is held up sending another of its outputs: the wait
-        for its next chunk starts over, and this stage's own consumers of the request, who
-        wait for what that chunk would make, are told in turn.
-
-        Unless this handler is what holds the producer up: another input of the request
-        holds a full window of chunks it has not read (it reads one input to its end before
-        the others, and their producers wait for its credit). Nothing can then move, and
-        the wait runs out into a ChunkGap that says so (see _explain_gap), not a hang.
-        """
+        for its next chunk starts over (for at most ``HELD_LIMIT`` chunk timeouts in all:
+        this handler may itself be what holds the producer up, see ``ReorderBuffer.alive``),
+        and this stage's own consumers of the request, who wait for what that chunk would
+        make, are told in turn."""
         req = self._requests.get(msg.request_id)
         inflow = req.inflows.get(msg.edge) if req is not None else None
-        if req is None or inflow is None or self._full_elsewhere(req, msg.edge) is not None:
+        if req is None or inflow is None:
             return
         inflow.buffer.alive()
         if inflow.buffer.waiting:

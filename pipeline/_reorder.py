@@ -17,7 +17,11 @@ from typing import Generic, TypeVar
 
 from ._errors import ChunkGap, EndOfChannel, RequestAborted
 
-__all__ = ("ReorderBuffer",)
+__all__ = ("HELD_LIMIT", "ReorderBuffer")
+
+#: How many chunk timeouts a wait may last in all while its producer says it is held up
+#: elsewhere (see ReorderBuffer.alive).
+HELD_LIMIT = 10
 
 T = TypeVar("T")
 
@@ -43,6 +47,7 @@ class ReorderBuffer(Generic[T]):
     """
 
     __slots__ = (
+        "_began",
         "_chunks",
         "_closed",
         "_deadline",
@@ -54,6 +59,7 @@ class ReorderBuffer(Generic[T]):
         "_expired",
         "_final_seq",
         "_finished",
+        "_held",
         "_invalid",
         "_late",
         "_max_seq",
@@ -88,6 +94,9 @@ class ReorderBuffer(Generic[T]):
         self._waiter: asyncio.Future[None] | None = None
         self._expired = False
         self._deadline = 0.0
+        #: When the waiting get()'s timed wait began, and whether ``alive`` extended it.
+        self._began = 0.0
+        self._held = False
         self._timer: asyncio.TimerHandle | None = None
         self._exc: BaseException | None = None
         self._closed = False
@@ -251,6 +260,17 @@ class ReorderBuffer(Generic[T]):
                 if entry is not None:
                     return entry
                 if self._expired and not (self._closed or self._finished):
+                    if self._held:
+                        raise ChunkGap(
+                            self._request_id,
+                            self._edge,
+                            self._expected,
+                            self._timeout,
+                            advice=f"its producer said it was held up sending elsewhere, for "
+                            f"{HELD_LIMIT} chunk timeouts in all: a consumer of another of "
+                            "its outputs reads nothing (a client that stopped reading, or a "
+                            "join that reads one input to its end first)",
+                        )
                     raise ChunkGap(self._request_id, self._edge, self._expected, self._timeout)
         finally:
             self._waiter = None
@@ -259,16 +279,25 @@ class ReorderBuffer(Generic[T]):
 
     def alive(self) -> None:
         """The producer is alive, held up elsewhere (see ``Held``): a waiting ``get()``'s
-        deadline starts over, ``chunk_timeout`` from now."""
+        deadline starts over, ``chunk_timeout`` from now, up to :data:`HELD_LIMIT` chunk
+        timeouts from the wait's start. Past that the wait ends in a ChunkGap all the same,
+        saying so: what holds the producer up may be this very consumer (a join reading
+        another input to its end first), and a wait without end would hang the request."""
         waiter = self._waiter
-        if waiter is not None and not self._untimed and not math.isinf(self._timeout):
-            self._deadline = waiter.get_loop().time() + self._timeout
+        if waiter is None or self._untimed or math.isinf(self._timeout):
+            return
+        limit = self._began + HELD_LIMIT * self._timeout
+        if self._deadline < limit:
+            self._deadline = min(waiter.get_loop().time() + self._timeout, limit)
+            self._held = True
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the waiting get()'s deadline: ``chunk_timeout`` from now."""
         self._untimed = False
+        self._held = False
         if not math.isinf(self._timeout):
-            self._deadline = loop.time() + self._timeout
+            self._began = loop.time()
+            self._deadline = self._began + self._timeout
             if self._timer is None:
                 self._timer = loop.call_at(self._deadline, self._expire)
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline._errors import ChunkGap, EndOfChannel, RequestAborted
-from pipeline._reorder import ReorderBuffer
+from pipeline._reorder import HELD_LIMIT, ReorderBuffer
 
 Item = tuple[int, int]  # (seq, index of the offer that carried it)
 
@@ -380,3 +380,24 @@ async def test_complete_once_every_chunk_up_to_the_final_one_arrived() -> None:
     buf.offer(1, (1, 0), False)
     assert buf.complete
     assert buf.get_nowait() == ((1, 0), False) and buf.complete
+
+
+async def test_a_wait_its_producer_keeps_alive_still_ends_after_held_limit_timeouts() -> None:
+    """A producer's Held notices restart the wait, but no wait lasts past HELD_LIMIT chunk
+    timeouts: what holds the producer up may be this very consumer, and the request must
+    end in a ChunkGap that says so, not hang."""
+    timeout = 0.05
+    buf: ReorderBuffer[str] = ReorderBuffer("r", "a->b", chunk_timeout=timeout)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    waiting = asyncio.ensure_future(buf.get())
+
+    def keep_alive() -> None:  # a notice every fifth of a timeout, as long as it waits
+        if not waiting.done():
+            buf.alive()
+            loop.call_later(timeout / 5, keep_alive)
+
+    keep_alive()
+    with pytest.raises(ChunkGap, match="held up sending elsewhere, for 10 chunk timeouts"):
+        await asyncio.wait_for(waiting, 5)
+    assert loop.time() - began >= HELD_LIMIT * timeout * 0.99  # extended, then ended

@@ -196,8 +196,34 @@ async def test_a_consumer_starved_by_a_slow_sibling_is_told_its_chunks_are_held(
         assert relayed == words and counted == Text("200")
 
 
-async def _at_least(pipe: Pipeline, n: int) -> bool:
-    return await _held(pipe, "tokens") >= n
+async def _at_least(pipe: Pipeline, n: int, stage: str = "tokens") -> bool:
+    return await _held(pipe, stage) >= n
+
+
+async def test_a_join_behind_a_slow_client_waits_for_it() -> None:
+    """left streams to out (read by a slow client) and to the join, which reads left's
+    stream to its end before right's; right's window at the join fills meanwhile, which is
+    no deadlock. A first check took that full window for one and refused left's notices,
+    failing the request with a ChunkGap while the client only paused."""
+    s = spec(
+        {"src": ":Echo", "left": ":Tokens", "right": ":Tokens", "out": ":Relay",
+         "join": ":LeftThenRight"},
+        [("src", "left"), ("src", "right"), ("left", "out"), ("left", "join"),
+         ("right", "join")],
+        window=4, chunk_timeout="1s",
+    )  # fmt: skip
+    words = " ".join(f"w{i}" for i in range(200))
+    async with Pipeline(s) as pipe:
+        relayed, joined = 0, None
+        async for out in pipe.stream(Text(words)):
+            if out.stage == "join":
+                joined = out.value
+                continue
+            relayed += 1
+            if relayed == 10:
+                # The client reads nothing for over two chunk timeouts (six notices).
+                await wait_for(functools.partial(_at_least, pipe, 6, "left"), 30)
+        assert (relayed, joined) == (200, Text("200/200"))
 
 
 async def test_a_request_queued_behind_a_busy_branch_does_not_starve_the_other() -> None:
