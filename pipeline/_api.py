@@ -103,6 +103,9 @@ class ResponseStream:
             RequestAborted: the pipeline closed while the request waited for a replica.
         """
         if self._req is None:
+            if self._done:
+                # Closed before it started: it never will (nothing would end it).
+                raise RequestAborted("(not started)", "the stream was closed")
             if self._starting is None:
                 # One submission, however many callers (start() while iterating begins):
                 # a second would be a request nobody reads, held in every stage for ever.
@@ -124,13 +127,17 @@ class ResponseStream:
                 elif starting.done() and self._starting is starting:
                     self._starting = None  # a later start() tries again
                 task = asyncio.current_task()
-                if starting.cancelled() and self._done and not (task and task.cancelling()):
+                if starting.cancelled() and self._closed() and not (task and task.cancelling()):
                     # Not this caller's cancellation: aclose() withdrew the request.
                     raise RequestAborted("(not started)", "the stream was closed") from None
                 raise
             if self._req is None:
                 self._req = req
         return self._req.request_id
+
+    def _closed(self) -> bool:
+        """Whether the stream was closed (read anew: an await may have passed)."""
+        return self._done
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self

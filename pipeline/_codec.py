@@ -375,6 +375,21 @@ def _dec_hook(type_: Any, obj: Any) -> Any:
     raise TypeError(f"Expected `{name}`, got `{type(obj).__name__}`")
 
 
+def _dec_hook_onto(type_: Any, obj: Any) -> Any:
+    """:func:`_dec_hook` for a decode that names a device: a tensor it makes of an array
+    lands there too, as the tensors the extension hook rebuilt did."""
+    value = _dec_hook(type_, obj)
+    torch = sys.modules.get("torch")
+    if value is not obj and torch is not None and isinstance(value, torch.Tensor):
+        device = torch.device(_state.onto)
+        if value.device != device:
+            try:
+                return value.to(device)
+            except Exception as e:  # no such device here: msgspec names the field
+                raise TypeError(f"cannot move the tensor to {_state.onto!r}: {e}") from e
+    return value
+
+
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
@@ -548,7 +563,7 @@ class PayloadCodec(Generic[T]):
         decoder = self._decoder_onto
         if decoder is None:
             decoder = self._decoder_onto = msgspec.msgpack.Decoder(
-                self.type, ext_hook=_ext_hook_onto, dec_hook=_dec_hook
+                self.type, ext_hook=_ext_hook_onto, dec_hook=_dec_hook_onto
             )
         _state.onto = device
         try:

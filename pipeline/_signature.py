@@ -267,6 +267,18 @@ def _plain_kinds(annotation: Any) -> tuple[tuple[type, ...], bool] | None:
     return None
 
 
+def _own_reading(meta: Any) -> bool:
+    """Whether a field's metadata says how it reads its value: its own strictness, or a
+    validator in its ``Annotated`` type (``BeforeValidator`` and the like: a size given as
+    "64KiB", a duration as "30s")."""
+    name = type(meta).__name__
+    return (
+        name == "Strict"
+        or name.endswith("Validator")
+        or bool(getattr(meta, "coerce_numbers_to_str", None))
+    )
+
+
 def _refuse_coerced(params: dict[str, Any], model: type[BaseModel], stage: str) -> None:
     """Refuse a value of another kind than its field's plain type: ``max_new_tokens: "10"``
     or ``true`` passed (pydantic's lax mode read them as 10 and 1), where validation is
@@ -276,7 +288,8 @@ def _refuse_coerced(params: dict[str, Any], model: type[BaseModel], stage: str) 
     Raises:
         ConfigError: naming the param, the kind it wants and the value given.
     """
-    if model.model_config.get("strict") is not None:
+    config = model.model_config
+    if config.get("strict") is not None or config.get("coerce_numbers_to_str"):
         return
     decorators = model.__pydantic_decorators__
     if any(d.info.mode in ("before", "wrap") for d in decorators.model_validators.values()):
@@ -291,7 +304,7 @@ def _refuse_coerced(params: dict[str, Any], model: type[BaseModel], stage: str) 
         plain = _plain_kinds(info.annotation)
         if plain is None or name in read_first:
             continue
-        if any(type(m).__name__ == "Strict" for m in info.metadata):
+        if any(_own_reading(m) for m in info.metadata):
             continue
         key = name if name in params else info.alias
         if key is None or key not in params:

@@ -238,8 +238,14 @@ def _decode_image(data: bytes) -> torch.Tensor:
 
 def _check_pixels(pixels: torch.Tensor | NDArray[np.generic]) -> torch.Tensor:
     if isinstance(pixels, np.ndarray):
-        # As the wire turns an array into a tensor (a request made in this process).
-        pixels = torch.from_numpy(np.array(pixels, copy=not pixels.flags.writeable))
+        # As the wire turns an array into a tensor (a request made in this process): any
+        # layout (a flipped view, say) as its own contiguous copy, checked first.
+        if pixels.dtype != np.uint8:
+            raise InvalidRequest(
+                "pixels must be a uint8 array of shape (height, width, 3); "
+                f"got {pixels.dtype} of shape {pixels.shape}"
+            )
+        pixels = torch.from_numpy(np.array(pixels, order="C"))
     shape = tuple(pixels.shape)
     if pixels.dtype != torch.uint8 or len(shape) != 3 or shape[2] != 3:
         raise InvalidRequest(

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import (
     AliasChoices,
     AliasPath,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     RootModel,
@@ -68,11 +70,16 @@ class Lax(_Echo):
         count: int = 1
 
 
+def _thousands(value: object) -> object:
+    return int(value[:-1]) * 1000 if isinstance(value, str) else value
+
+
 class Loose(_Echo):
     class Params(BaseModel):
         loose: int = Field(1, strict=False)
         size: int = 0
         timeout: timedelta = timedelta(0)
+        budget: Annotated[int, BeforeValidator(_thousands)] = 0
 
         @field_validator("size", mode="before")
         @classmethod

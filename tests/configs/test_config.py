@@ -700,7 +700,7 @@ def test_every_key_a_params_model_takes_passes_the_misspelling_check(
      # What lax pydantic does on purpose: a model or field that names its own strictness,
      # a field a validator reads first, a duration in seconds.
      ("Lax", "{count: '10'}", None),
-     ("Loose", "{loose: '10', size: 4k, timeout: 30}", None)],
+     ("Loose", "{loose: '10', size: 4k, timeout: 30, budget: 4k}", None)],
 )  # fmt: skip
 def test_params_are_read_strictly_as_json_is(
     tmp_path: Path, stage: str, params: str, refused: str | None

@@ -178,3 +178,15 @@ def test_a_device_this_process_cannot_use_is_a_config_error() -> None:
         message = str(info.value)
         assert message.startswith(f"device {device!r} cannot be used here")
         assert "pass 'cpu'" in message and "\n" not in message
+
+
+class _Pixels(msgspec.Struct):
+    pixels: torch.Tensor
+
+
+def test_an_array_sent_where_a_tensor_is_declared_lands_on_the_chosen_device() -> None:
+    """It was made a tensor on the CPU, whatever device the decode named."""
+    encoded = codec_for(_Pixels).encode(_Pixels(np.zeros((2, 3), np.uint8)))  # type: ignore[arg-type]
+    got = codec_for(_Pixels).decode(encoded, device="meta").pixels
+    assert got.is_meta and (got.dtype, got.shape) == (torch.uint8, (2, 3))
+    assert codec_for(_Pixels).decode(encoded).pixels.device.type == "cpu"

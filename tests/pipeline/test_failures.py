@@ -400,6 +400,9 @@ async def test_a_stream_closed_while_another_task_starts_it_starts_nothing() -> 
         await stream.aclose()
         with pytest.raises(RequestAborted, match="the stream was closed"):
             await starting
+        # Nor does a start() after the close (it admitted a request nothing ended).
+        with pytest.raises(RequestAborted, match="the stream was closed"):
+            await stream.start()
         assert await busy == Text("sleep 0.5")
         assert not pipe._master_here().orch.requests
 

@@ -52,6 +52,17 @@ def test_png_bytes_and_raw_pixels_give_identical_inputs() -> None:
     assert ids_png == ids_raw == [BOS, ord("h"), ord("i")]
 
 
+def test_a_numpy_array_of_any_layout_is_taken_for_pixels() -> None:
+    """In process, as over the wire: a flipped view (BGR to RGB) failed with a bare
+    ValueError about negative strides, and an array of objects with a bare TypeError."""
+    image = _rgb(20, 30)
+    want, _ = prepare(VLMRequest(prompt="hi", pixels=torch.from_numpy(image[..., ::-1].copy())))
+    got, _ = prepare(VLMRequest(prompt="hi", pixels=image[..., ::-1]))  # type: ignore[arg-type]
+    assert torch.equal(got, want)
+    with pytest.raises(InvalidRequest, match="got object of shape"):
+        prepare(VLMRequest(prompt="hi", pixels=image.astype(object)))  # type: ignore[arg-type]
+
+
 def test_pixels_are_resized_and_normalised_to_the_encoder_input() -> None:
     """Any image becomes float32 (3, 32, 32) in [-1, 1]; a 32x32 image is only rescaled."""
     pixels, _ = prepare(VLMRequest(prompt="x", pixels=torch.from_numpy(_rgb(300, 17))))
