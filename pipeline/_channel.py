@@ -19,11 +19,12 @@ the arena, and a running request's next put would wait for room that only its ow
 could free: it would fail (``TransportFull``) or fall back. So the payloads that requests
 not yet being read hold in such a transport share at most :data:`QUEUED_SHARE` of its
 capacity (and one byte window), across the edge; past it, such a request sends nothing
-more until its consumer begins reading it. Each request's first chunk goes regardless: a
-running handler may wait on it (a join reading its other input first), and it is what
-starts a queued request once its turn comes. On such edges the consumer returns credit at
-once for the first chunk it takes, which is how the producer learns that a request is
-being read.
+more until its consumer begins reading it. A consumer with this one input starts no
+request before its first chunk, so a first chunk waits for the share like the rest: every
+request holding part of it has its first chunk there and runs when its turn comes. A
+join's first chunk goes regardless: its handler may have started on another input and
+wait for this one. On such edges the consumer returns credit at once for the first chunk
+it takes, which is how the producer learns that a request is being read.
 """
 
 from __future__ import annotations
@@ -94,10 +95,13 @@ MAX_RUN = 256
 LONE_WINDOWS = 4
 
 #: The part of a shared transport capacity (the shm arena) that the payloads of requests
-#: not yet being read may hold together, on top of each one's first chunk. A quarter: with
+#: not yet being read may hold together (a join's first chunks on top). A quarter: with
 #: the default arena (128 MiB) a request being read still has its whole byte window (64
-#: MiB), with room left for the first chunks of the queued ones.
+#: MiB), with room left for a join's first chunks.
 QUEUED_SHARE = 0.25
+#: How often a send held back by the queued share looks again: the share also drops when
+#: a consumer releases a queued payload unread (its request aborted), which wakes no one.
+QUEUED_RECHECK_S = 0.05
 
 
 @runtime_checkable
@@ -619,7 +623,8 @@ class OutputChannel:
         name, sender = self._choose(encoded, target)
         queued = False
         if sender is self._shared and not win.reading:
-            if win.next_seq and self._queued_full() and not await self._wait_queued(win):
+            first_goes = not win.next_seq and self.plan.joined
+            if not first_goes and self._queued_full() and not await self._wait_queued(win):
                 self.unread += 1
                 return
             queued = True
@@ -671,11 +676,14 @@ class OutputChannel:
         self.queued_waits += 1
         self._queued_waiting.add(win)
         try:
+            loop = asyncio.get_running_loop()
             while not win.done and not win.reading and self._queued_full():
-                win.waiter = asyncio.get_running_loop().create_future()
+                waiter = win.waiter = loop.create_future()
+                recheck = loop.call_later(QUEUED_RECHECK_S, _wake, waiter)
                 try:
-                    await win.waiter
+                    await waiter
                 finally:
+                    recheck.cancel()
                     win.waiter = None
         finally:
             self._queued_waiting.discard(win)
@@ -1173,6 +1181,11 @@ class InputChannel:
         """Close every transport end; idempotent."""
         for recv in self._receivers.values():
             await recv.aclose()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 _background: set[asyncio.Task[None]] = set()

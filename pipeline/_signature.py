@@ -82,6 +82,9 @@ class EdgePlan:
     inline_threshold: int
     transports: EdgeTransports
     window_bytes: int
+    #: The consumer joins this edge with other inputs: its handler may start on another
+    #: input and then wait for this edge's first chunk.
+    joined: bool = False
 
 
 @dataclass(slots=True)
@@ -434,6 +437,7 @@ def _edge_plan(spec: PipelineSpec, src: str, dst: str, tp: Any, streaming: bool)
         threshold,
         transports,
         window_bytes,
+        joined=dst != CLIENT and len(spec.upstream(dst)) > 1,
     )
 
 

@@ -13,7 +13,7 @@ import secrets
 from collections import OrderedDict
 
 from pipeline._encoded import Buffer, Encoded
-from pipeline._errors import TransportError
+from pipeline._errors import TransportError, TransportFull
 from pipeline._keys import ChunkKey
 from transports._network_server import Server
 from transports._network_store import BlockPool, Capacity, Held, freeze, piece_views
@@ -68,9 +68,9 @@ class NetworkSender(AsyncResource):
         """Bytes held for receivers that have not fetched them yet."""
         return self._capacity.used
 
-    def _error(self, message: str) -> TransportError:
+    def _error(self, message: str, kind: type[TransportError] = TransportError) -> TransportError:
         self.errors += 1
-        return TransportError(f"{self._what}: {message}")
+        return kind(f"{self._what}: {message}")
 
     async def put(
         self, key: ChunkKey, encoded: Encoded, *, timeout: float | None = None
@@ -79,9 +79,10 @@ class NetworkSender(AsyncResource):
         it, waiting up to ``timeout`` seconds for capacity.
 
         Raises:
-            TransportFull: no capacity freed up within ``timeout``.
-            TransportError: the payload exceeds the whole capacity or has too many buffers,
-                the sender cannot listen on its bind address, or it is closed.
+            TransportFull: no capacity freed up within ``timeout``, or there never will be:
+                the payload exceeds the whole capacity or has too many buffers (at once,
+                without waiting; an edge's ``fallback`` takes it).
+            TransportError: the sender cannot listen on its bind address, or it is closed.
         """
         if self._closed:
             raise self._error(f"{key}: closed")
@@ -89,10 +90,13 @@ class NetworkSender(AsyncResource):
         if nbytes > self._options.capacity:
             raise self._error(
                 f"{key}: {nbytes} bytes exceed the capacity of {self._options.capacity}; "
-                "raise the transport's capacity option"
+                "raise the transport's capacity option",
+                TransportFull,
             )
         if len(encoded.buffers) >= MAX_PIECES:
-            raise self._error(f"{key}: {len(encoded.buffers)} buffers; at most {MAX_PIECES - 1}")
+            raise self._error(
+                f"{key}: {len(encoded.buffers)} buffers; at most {MAX_PIECES - 1}", TransportFull
+            )
         server = self._server
         if server is None:
             try:

@@ -392,9 +392,10 @@ class ShmSender(AsyncResource):
             # consumer does not help there, a larger arena (or fewer requests at once) does.
             queued = (
                 f"; {format_size(self._queued_bytes)} of it is held for {len(self._queued)} "
-                "requests whose consumer has not begun reading them (queued behind others), "
-                "so `capacity` must also hold a first chunk of each request the producer runs "
-                "at once"
+                "requests whose consumer has not begun reading them (queued behind others); "
+                "their first chunks are not held back for a consumer that joins several "
+                "inputs, so `capacity` must then also hold a first chunk of each request the "
+                "producer runs at once"
             )
         return self._error(
             f"{key}: no room for {format_size(need)} within {timeout:g}s; of the arena's "

@@ -361,6 +361,24 @@ async def test_auto_falls_back_when_shm_cannot_take_a_payload() -> None:
     assert out["fallbacks"] == 10 * CHUNKS // 2
 
 
+async def test_a_network_edge_falls_back_for_a_payload_over_its_capacity() -> None:
+    """A network edge given a ``fallback`` sends a payload larger than its whole capacity by
+    the fallback, as shm does: the network sender refused it with a plain TransportError,
+    which no fallback takes, and the request failed."""
+    sizes = [512, 96 * 1024]
+    spec = _spec(
+        transport={"kind": "network", "options": {"capacity": "64KiB"}, "fallback": "shm"},
+        sizes=sizes,
+    )
+    async with Pipeline(spec) as pipe:
+        results = await asyncio.gather(*(pipe.submit(Text("")) for _ in range(4)))
+        assert results == [_expected(sizes=sizes)] * 4
+        stats = await pipe.statistics()
+    (out,) = [o for r in stats["replicas"] for o in r["outputs"] if o["edge"] == "source->sink"]
+    assert out["used"] == {"network": 4 * CHUNKS // 2, "shm": 4 * CHUNKS // 2}, out["used"]
+    assert out["fallbacks"] == 4 * CHUNKS // 2
+
+
 async def test_a_payload_no_data_message_can_carry_fails_its_request_saying_so() -> None:
     """On auto, a payload larger than the shm arena and than an inline envelope carries (a
     data message takes at most 1 GiB) fails its request at once with a TransportError
