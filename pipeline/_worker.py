@@ -24,6 +24,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -89,6 +90,7 @@ from pipeline._sockets import (
     new_context,
 )
 from pipeline._stage import Stage
+from pipeline._watchdog import Watchdog
 from transports._liveness import local_pid, pid_namespace
 from transports.inline import MAX_DATA_FRAME
 
@@ -195,6 +197,10 @@ class _Worker:
         self.stop = asyncio.Event()
         #: Stopped by Ctrl-C (a worker started by hand).
         self.interrupted = False
+        #: Signals handled here while the replica serves (their default restored after).
+        self.handled: list[signal.Signals] = []
+        #: Armed by a signal to stop: ends the process if its loop never comes back.
+        self.watchdog = Watchdog(stage, replica, 10.0)
         #: Told by the master that it does not count this worker as serving: it registers
         #: again (see :meth:`_rejoin`) unless it is stopping, or exits 4 if a launcher
         #: started it (``dropped``).
@@ -449,13 +455,15 @@ class _Worker:
             self.local.start(on_data)
         # From here a SIGTERM (from the launcher, or at the parent's death) ends the worker in
         # order. Until now it kept its default action, so that a setup that hangs, or holds
-        # the loop, cannot outlive the master.
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self._terminate)
+        # the loop, cannot outlive the master. Python-level handlers, not the loop's: they
+        # run even while a handler holds the loop, and arm the watchdog that ends a worker
+        # whose loop never comes back.
+        self.watchdog = Watchdog(self.stage, self.replica, 2 * spec.defaults.heartbeat_timeout)
+        self._on_signal(signal.SIGTERM, self._terminate)
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             # Started by hand: Ctrl-C stops it in order too (one a launcher started ignores
             # it, and is stopped by its master).
-            loop.add_signal_handler(signal.SIGINT, self._interrupt)
+            self._on_signal(signal.SIGINT, self._interrupt)
         # Start-up's objects (torch, the stage, its weights) are frozen out of every later
         # collection before the first request can arrive.
         _collector.settle()
@@ -518,6 +526,18 @@ class _Worker:
         actor.readers_gone(departed)
         log.warning("rejoined", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
         return None
+
+    def _on_signal(self, sig: signal.Signals, stop: Callable[[], None]) -> None:
+        """Have ``sig`` call ``stop`` on the loop, and arm the watchdog."""
+        loop = asyncio.get_running_loop()
+
+        def handler(signum: int, frame: object) -> None:
+            self.watchdog.arm()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(stop)
+
+        signal.signal(sig, handler)
+        self.handled.append(sig)
 
     def _interrupt(self) -> None:
         self.interrupted = True
@@ -602,10 +622,11 @@ async def run_worker(
     try:
         return await worker.serve(connect_timeout)
     finally:
-        loop = asyncio.get_running_loop()
-        loop.remove_signal_handler(signal.SIGTERM)
-        loop.remove_signal_handler(signal.SIGINT)  # if it was added (by hand: see _serve)
+        for sig in worker.handled:
+            default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            signal.signal(sig, default)
         worker.close()
+        worker.watchdog.disarm()
 
 
 def parser() -> argparse.ArgumentParser:

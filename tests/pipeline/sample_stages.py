@@ -502,6 +502,16 @@ class HangingSetup(Echo):
         await asyncio.Event().wait()
 
 
+class SpinsForever(Stage):
+    """Touches the file HOLD_MARK names, then holds its event loop for good in a Python
+    loop (a model step caught in a loop): nothing it awaits ever runs again."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        Path(os.environ["HOLD_MARK"]).touch()  # noqa: ASYNC240  # holds, on purpose
+        while True:
+            pass
+
+
 class Counted(Stage):
     """Echoes, and reports counters of its own (and a value that is not a number)."""
 

@@ -21,6 +21,7 @@ from pipeline._config import MasterSpec
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
 from tests.procs import alive, children
+from transports._shm_segment import PREFIX, list_segments
 
 
 async def _gone(pids: list[int], timeout: float = 10.0) -> None:
@@ -731,6 +732,44 @@ async def test_kill_9_master_takes_its_workers_down(
         proc.kill()
         proc.wait()
         await _gone(workers, timeout=15)
+    finally:
+        _stop(proc, workers)
+
+
+async def test_kill_9_master_ends_a_worker_whose_handler_never_gives_the_loop_back(
+    tmp_path: Path,
+) -> None:
+    """A worker whose handler holds its event loop for good took the SIGTERM that comes at
+    its parent's death on that loop, which never ran it: killed with ``kill -9``, the master
+    left it spinning for ever, its shm segment with it. The signal now arms a watchdog that
+    ends it (exit 143) once twice the heartbeat timeout has passed, removing its segment."""
+    mark = tmp_path / "spinning"
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(
+        "defaults: {heartbeat_interval: 200ms, heartbeat_timeout: 1s}\n"
+        "stages:\n"
+        "  spin: {impl: 'tests.pipeline.sample_stages:SpinsForever',"
+        f" env: {{HOLD_MARK: '{mark}'}}}}\n"
+        "  sink: {impl: 'tests.pipeline.sample_stages:Echo'}\n"
+        "edges:\n"
+        "  - {from: spin, to: sink, transport: {kind: shm, options: {capacity: 1MiB}}}\n"
+    )
+    proc = _stagewire(tmp_path, "run", str(cfg), "--input", '{"value": "x"}')
+    workers: list[int] = []
+    try:
+        workers = await _workers_of(proc, 2)
+
+        async def spinning() -> bool:
+            return mark.exists()
+
+        await wait_for(spinning, timeout=60)
+        owned = [n for n in list_segments() if int(n[len(PREFIX) :].split("-")[0]) in workers]
+        assert owned, list_segments()  # the pinned shm edge reserved the spinner's arena
+        proc.kill()
+        proc.wait()
+        await _gone(workers, timeout=20)
+        assert not set(owned) & set(list_segments())
+        assert "stop_overdue" in (tmp_path / "err").read_text()
     finally:
         _stop(proc, workers)
 
