@@ -469,8 +469,9 @@ class Master:
             self.startup.fail(misplaced, ConfigError)
             return
         if old is not None and old.alive:
-            refusal = self._duplicate(old, msg)
-            if refusal is not None:
+            duplicate = self._duplicate(old, msg)
+            if duplicate is not None:
+                refusal, retry_in = duplicate
                 log.warning(
                     "duplicate_replica_refused",
                     stage=msg.stage,
@@ -480,7 +481,7 @@ class Master:
                     holder=old.pid,
                     holder_host=old.host,
                 )
-                self._send(identity, Shutdown(refusal))
+                self._send(identity, Shutdown(refusal, retry_in=retry_in))
                 return
             # Its process is gone (a new one has its host and pid), or it has gone quiet:
             # the newcomer takes the slot, and the old one, should it still run, is told.
@@ -517,21 +518,29 @@ class Master:
         self._send(identity, self._assignment(msg.stage, msg.replica))
         self._broadcast_peers(but=identity)
 
-    def _duplicate(self, old: _Replica, msg: Register) -> str | None:
-        """Why a registration for a live replica's slot is refused, if it is: the process
-        holding the slot was heard from within two heartbeats, and is not the newcomer's
-        predecessor (a process of the same host, pid namespace and pid must have ended).
+    def _duplicate(self, old: _Replica, msg: Register) -> tuple[str, float] | None:
+        """Why a registration for a live replica's slot is refused, if it is, and in how
+        many seconds the holder would count as quiet: the process holding the slot was
+        heard from within two heartbeats, and is not the newcomer's predecessor (a process
+        of the same host, pid namespace and pid must have ended), nor a process of this
+        host that has exited (one killed and restarted at once).
         """
         if old.host == msg.host and old.pid == msg.pid and old.pidns == msg.pidns:
             return None
+        if old.host == self.host:
+            pid = local_pid(old.pid, old.pidns)
+            if pid and not pid_alive(pid):
+                return None
         silent = time.monotonic() - old.last_seen
-        if silent > LIVE_WITHIN_BEATS * self.spec.defaults.heartbeat_interval:
+        live_for = LIVE_WITHIN_BEATS * self.spec.defaults.heartbeat_interval
+        if silent > live_for:
             return None
-        return (
+        reason = (
             f"stage {msg.stage!r} replica {msg.replica} is already served, by pid {old.pid} on "
             f"host {old.host!r} (heard from {silent:.1f}s ago); stop that worker first, or "
             "start this one with another --replica"
         )
+        return reason, live_for - silent + self.spec.defaults.heartbeat_interval / 4
 
     def _broadcast_peers(self, but: bytes = b"") -> None:
         """Send the peer table to every live replica (but ``but``, which has it)."""

@@ -439,6 +439,10 @@ class Shutdown(_Msg, frozen=True, tag="shutdown"):
     #: again, its stage still set up; one a launcher started exits as one that lost its
     #: master.
     unknown: bool = False
+    #: A registration refused because its slot's holder was heard from lately: it may
+    #: have died just now (the newcomer restarted in its place), so registering again
+    #: after this many seconds may succeed. 0: it will not.
+    retry_in: float = 0.0
 
 
 ControlToWorker = (

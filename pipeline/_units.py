@@ -227,13 +227,14 @@ def _shaped(noun: str, pattern: str, expected: str) -> AfterValidator:
 
 
 #: A stage's name. Hyphens are allowed for readability ("pre-process"); "@" is kept for
-#: pseudo-stages such as the client, so a user stage can never collide with one.
+#: pseudo-stages such as the client, so a user stage can never collide with one. At most
+#: 100 characters: it is part of each worker's socket identity, which ZeroMQ caps.
 StageName = Annotated[
     str,
     _shaped(
         "stage name",
-        r"[A-Za-z_][A-Za-z0-9_-]*",
-        "letters, digits, '_' and '-', starting with a letter or '_'",
+        r"[A-Za-z_][A-Za-z0-9_-]{0,99}",
+        "letters, digits, '_' and '-', starting with a letter or '_', at most 100 of them",
     ),
 ]
 #: Where a class lives, as ``package.module:Class``.

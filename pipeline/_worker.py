@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import math
 import os
@@ -98,7 +99,24 @@ __all__ = ("EXIT_MASTER_LOST", "EXIT_SETUP_FAILED", "main", "run_worker")
 
 
 class Refused(Exception):
-    """The master refused this worker's registration; the message says why."""
+    """The master refused this worker's registration; the message says why.
+
+    Attributes:
+        retry_in: seconds after which registering again may succeed (the slot's holder
+            may have died just now); 0 when it never will.
+    """
+
+    def __init__(self, reason: str, retry_in: float = 0.0) -> None:
+        super().__init__(reason)
+        self.retry_in = retry_in
+
+
+class BindFailed(Exception):
+    """The worker's data port cannot be bound at its ``--bind-host``."""
+
+
+#: How many times a worker registers again for a slot whose holder was heard from lately.
+SLOT_RETRIES = 3
 
 
 EXIT_SETUP_FAILED = 3
@@ -168,7 +186,8 @@ class _Worker:
         keys = process_keys()
         # Unique per process start, not only per pid: a restarted worker may get the same pid
         # (pid 1 in a container), and the master must not take it for the one before.
-        self.identity = f"{stage}/{replica}/{os.getpid()}/{secrets.token_hex(4)}".encode()
+        # ZeroMQ caps an identity at 255 bytes; the stage's name is there only for reading.
+        self.identity = f"{stage[:100]}/{replica}/{os.getpid()}/{secrets.token_hex(4)}".encode()
         self.control = secure_client(self.zctx.socket(zmq.DEALER), keys)
         #: Why the master refused this worker's handshake, once it has.
         self.refusal = ""
@@ -183,7 +202,14 @@ class _Worker:
         self.inbox.setsockopt(zmq.RCVHWM, 0)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_FRAME)
-        self.endpoint = bind_ephemeral(self.inbox, tcp_endpoint(bind_host, 0))
+        try:
+            self.endpoint = bind_ephemeral(self.inbox, tcp_endpoint(bind_host, 0))
+        except zmq.ZMQError as exc:
+            self._handshake.stop()
+            self.inbox.close(linger=0)
+            self.control.close(linger=0)
+            self.zctx.term()
+            raise BindFailed(exc.strerror or str(exc)) from exc
         self.outbox = Outbox(self.zctx, keys)
         #: Same-host peers send here instead of to ``inbox``; read once the actor exists.
         self.local: LocalListener | None = None
@@ -211,9 +237,17 @@ class _Worker:
         self.control_reader = SocketReader(self.control, self._on_control, self._on_error)
         self.data_reader: SocketReader | None = None
 
-    def send_control(self, msg: Any) -> None:
-        self.control.send(_encode(msg), zmq.NOBLOCK)
+    def send_control(self, msg: Any) -> bool:
+        """Send ``msg`` to the master; False when it was dropped: no master has been
+        reachable for as long as a thousand messages took to pile up (a worker waiting
+        for its master resends its registration every second)."""
+        try:
+            self.control.send(_encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("control_message_dropped", stage=self.stage, message=type(msg).__name__)
+            return False
         self.control_reader.kick()
+        return True
 
     def _refused(self, reason: str) -> None:
         self.refusal = reason  # register() fails with it even if it had not started waiting
@@ -267,6 +301,12 @@ class _Worker:
                     stats["garbage"] += self.local.garbage_count
                     stats["local_frames"] = self.local.frames
                 self.send_control(StatsReply(self.stage, self.replica, token, stats))
+            case Shutdown(reason=reason, retry_in=retry_in) if (
+                retry_in > 0 and self.assignment is not None and not self.assignment.done()
+            ):
+                # Its slot's holder was heard from lately, but may have died just now (this
+                # worker restarted in its place): register() tries again.
+                self.assignment.set_exception(Refused(reason, retry_in))
             case Shutdown(reason=reason, unknown=unknown):
                 assigned = self.assignment is not None and self.assignment.done()
                 if unknown and assigned and not self.stop.is_set():
@@ -351,11 +391,23 @@ class _Worker:
         began = time.monotonic()
         deadline = began + timeout
         note = began + WAITING_NOTE_S[0]
+        retries = SLOT_RETRIES
         while True:
             self.send_control(register)
             try:
                 async with asyncio.timeout(1.0):
                     return await asyncio.shield(self.assignment)
+            except Refused as exc:
+                if not exc.retry_in or not retries or time.monotonic() + exc.retry_in > deadline:
+                    raise
+                retries -= 1
+                log.info("slot_held", stage=self.stage, replica=self.replica, retry_in=exc.retry_in)
+                self.assignment = asyncio.get_running_loop().create_future()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(exc.retry_in):
+                        await self.stop.wait()
+                if self.stop.is_set():
+                    raise TimeoutError from None
             except TimeoutError:
                 now = time.monotonic()
                 if now > deadline:
@@ -614,7 +666,7 @@ async def run_worker(
 
     Raises:
         OSError: no ``bind_host`` given, and the master's host does not resolve.
-        zmq.ZMQError: ``bind_host`` is not an address of this host.
+        BindFailed: ``bind_host`` is not an address of this host.
     """
     worker = _Worker(
         master, stage, replica, bind_host or address_toward(master), debug=debug, launched=launched
@@ -764,8 +816,8 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C before it served (it then stops in order, see _Worker._serve).
         sys.stderr.write("interrupted\n")
         return EXIT_INTERRUPTED
-    except zmq.ZMQError as exc:
-        p.error(f"--bind-host {args.bind_host!r} cannot be bound here ({exc.strerror})")
+    except BindFailed as exc:
+        p.error(f"--bind-host {args.bind_host!r} cannot be bound here ({exc})")
 
 
 if __name__ == "__main__":

@@ -366,6 +366,14 @@ def test_helpers_refuse_unknown_names() -> None:
             id="bad-stage-name",
         ),
         pytest.param(
+            # Part of each worker's socket identity, which ZeroMQ caps at 255 bytes: a longer
+            # name validated, and every worker then failed with a false --bind-host error.
+            f"stages:\n  a: {{impl: 'm:A'}}\n  {'b' * 101}: {{impl: 'm:B'}}\n",
+            f"p.yaml:3: stages.{'b' * 101}: invalid stage name '{'b' * 101}': expected letters, "
+            "digits, '_' and '-', starting with a letter or '_', at most 100 of them",
+            id="long-stage-name",
+        ),
+        pytest.param(
             "stages:\n  a:\n    impl: just_a_module\n",
             "p.yaml:3: stages.a.impl: invalid import path 'just_a_module'",
             id="bad-impl",

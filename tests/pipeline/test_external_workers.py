@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from pipeline._host import address_toward, tcp_endpoint
+from pipeline._messages import Heartbeat
 from tests.pipeline.conftest import wait_for, workers_announced
 from tests.procs import alive, free_port, kill_all, start_stagewire
 from transports._shm_segment import PREFIX, list_segments
@@ -313,6 +314,55 @@ async def test_a_second_worker_for_a_live_replica_is_refused_and_one_gone_quiet_
         assert third.poll() is None
     finally:
         kill_all(procs)
+
+
+@pytest.mark.parametrize("host", ["the master's", "another"])
+async def test_a_worker_restarted_at_once_after_kill_9_takes_its_slot_back(
+    tmp_path: Path, host: str
+) -> None:
+    """A worker killed with ``kill -9`` and started again at once (as a supervisor does)
+    was refused as a second worker for a live slot, its predecessor heard from under two
+    heartbeats before, and exited 3: nobody served the slot. On the master's host the
+    master now sees that the holder's process has exited; from another host the newcomer
+    is told when the holder would count as quiet, and registers again then."""
+    config = tmp_path / "echo.yaml"
+    config.write_text(
+        "name: echo\n"
+        "defaults: {heartbeat_interval: 1s, heartbeat_timeout: 30s}\n"
+        "stages:\n"
+        '  echo: {impl: "tests.pipeline.sample_stages:Echo"}\n'
+    )
+    elsewhere = None if host == "the master's" else "worker-host"
+    master, procs = await _serving(config, tmp_path, host=elsewhere)
+    holder = procs[1]
+    try:
+        holder.kill()
+        await asyncio.to_thread(holder.wait, 30)
+        again = _start("worker", "--master", master, "--stage", "echo", "--headless",
+                       err=tmp_path / "again.err", host=elsewhere)  # fmt: skip
+        procs.append(again)
+        master_log = tmp_path / "master.err"
+        await wait_for(lambda: f"new registration (pid {again.pid}" in master_log.read_text(), 60)
+        assert _submit(master, '{"value": "back"}').stdout.split() == ['{"value":"back"}']
+        assert again.poll() is None, (tmp_path / "again.err").read_text()
+    finally:
+        kill_all(procs)
+
+
+async def test_a_worker_waiting_long_for_its_master_keeps_waiting() -> None:
+    """A worker resends its registration every second while no master answers; past a
+    thousand unsent messages its control socket refused more (``zmq.Again``), which ended
+    the worker after about 17 minutes with a false ``--bind-host`` error, whatever its
+    ``--connect-timeout``. Such a message is now dropped: the next resend says the same."""
+    from pipeline._worker import _Worker
+
+    worker = _Worker(f"tcp://127.0.0.1:{free_port()}", "echo", 0, "127.0.0.1")
+    try:
+        register = Heartbeat("echo", 0)
+        sent = [worker.send_control(register) for _ in range(1500)]
+        assert all(sent[:1000]) and not any(sent[1100:]), sent.count(True)
+    finally:
+        worker.close()
 
 
 async def test_a_second_worker_is_refused_while_the_first_is_still_setting_up(
