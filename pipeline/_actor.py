@@ -860,11 +860,12 @@ class StageActor:
         self._fail(req, exc)
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
-        """Fail the request at the client (a StageError) and forget it here."""
-        self.counts["failed"] += 1
+        """Fail the request at the client (a StageError) and forget it here; nothing if it
+        ended already (aborted, its handler having caught the cancellation)."""
         rid = req.request_id
         if rid not in self._requests:
             return
+        self.counts["failed"] += 1
         try:
             self._report_failure(error_to_failure(exc, stage=self.stage, request_id=rid))
         except Exception as report_exc:  # the control socket refused it (the master is gone?)

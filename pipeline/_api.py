@@ -18,6 +18,7 @@ import structlog
 from pipeline._codec import resolve_device
 from pipeline._config import PipelineSpec
 from pipeline._errors import EndOfChannel, PayloadError, RequestAborted
+from pipeline._host import on_this_host
 from pipeline._launcher import LocalLauncher
 from pipeline._lifecycle import LoopBound
 from pipeline._logging import configure_logging
@@ -377,8 +378,10 @@ class Pipeline(LoopBound):
                 if self._master is master:
                     master.orch.replica_given_up(stage, replica)
 
+            # Workers launched here reach a master bound to every interface at loopback
+            # (the wildcard is no address to connect to).
             self._launcher = launcher = LocalLauncher(
-                self.spec, master.endpoint, lost, on_given_up=given_up, keys=keys
+                self.spec, on_this_host(master.endpoint), lost, on_given_up=given_up, keys=keys
             )
             # A worker declared dead for silence is ended, so that its slot is restarted.
             master.on_silent = launcher.kill_hung

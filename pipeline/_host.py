@@ -20,7 +20,14 @@ import socket
 from functools import cache
 from pathlib import Path
 
-__all__ = ("address_toward", "host_identity", "is_wildcard", "split_endpoint", "tcp_endpoint")
+__all__ = (
+    "address_toward",
+    "host_identity",
+    "is_wildcard",
+    "on_this_host",
+    "split_endpoint",
+    "tcp_endpoint",
+)
 
 _SOURCES = ("/etc/machine-id", "/var/lib/dbus/machine-id", "/proc/sys/kernel/random/boot_id")
 
@@ -59,6 +66,16 @@ def is_wildcard(host: str) -> bool:
         return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_unspecified
     except ValueError:
         return False
+
+
+def on_this_host(endpoint: str) -> str:
+    """``endpoint`` as a process of this host connects to it: a wildcard bind (every
+    interface) is reached at loopback; any other endpoint as it is."""
+    parts = split_endpoint(endpoint)
+    if parts is None or not is_wildcard(parts[0]):
+        return endpoint
+    loopback = "::1" if ":" in parts[0] else "127.0.0.1"
+    return tcp_endpoint(loopback, parts[1])
 
 
 def tcp_endpoint(host: str, port: int) -> str:

@@ -156,7 +156,10 @@ class Orchestrator:
         self._closing = False
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}{os.urandom(3).hex()}"
-        self._rr = itertools.count()
+        #: Round-robin among equally loaded replicas, counted per stage: one counter for
+        #: all stages moved on by the number of stages per request, and with that a
+        #: multiple of a stage's replicas, every sequential request went to one replica.
+        self._rr = {s: itertools.count() for s in plan.stages}
         self.replicas: dict[str, dict[int, ReplicaView]] = {s: {} for s in plan.stages}
         self.requests: dict[str, ClientRequest] = {}
         self._to_sources = {
@@ -211,7 +214,7 @@ class Orchestrator:
             raise StageUnavailable(stage, "no replica is ready")
         least = min(len(r.requests) for r in live)
         candidates = [r for r in live if len(r.requests) == least]
-        return candidates[next(self._rr) % len(candidates)]
+        return candidates[next(self._rr[stage]) % len(candidates)]
 
     async def _choose_all(self, until: float | None = None) -> dict[str, ReplicaView]:
         """One replica per stage, waiting up to ``replica_wait`` for a stage with none ready,

@@ -502,6 +502,19 @@ class HangingSetup(Echo):
         await asyncio.Event().wait()
 
 
+class AnswersItsCancellation(Stage):
+    """Waits for ever; cancelled (its request aborted), it catches the cancellation and
+    answers all the same, or raises when the text is 'raise'."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if text.value == "raise":
+                raise ValueError("cancelled") from None
+        return text
+
+
 class SpinsForever(Stage):
     """Touches the file HOLD_MARK names, then holds its event loop for good in a Python
     loop (a model step caught in a loop): nothing it awaits ever runs again."""

@@ -191,6 +191,26 @@ async def test_abort_by_request_id(chain: Pipeline) -> None:
     await wait_for(lambda: settled(chain))
 
 
+async def test_a_handler_that_answers_its_cancellation_is_counted_aborted_only() -> None:
+    """A handler that catches the cancellation of its aborted request and then returns, or
+    raises, was counted failed too: ``completed + failed + aborted`` came out above
+    ``started``."""
+    s = spec({"hold": ":AnswersItsCancellation"}, [])
+    async with Pipeline(s) as pipe:
+        for value in ("return", "raise"):
+            async with pipe.stream(Text(value)) as stream:
+                assert stream.request_id is not None
+                assert await pipe.abort(stream.request_id)
+
+        async def ended() -> bool:
+            (rep,) = (await pipe.statistics())["replicas"]
+            return rep["cancelling"] == 0 and rep["active"] == 0
+
+        await wait_for(ended)
+        (rep,) = (await pipe.statistics())["replicas"]
+    assert (rep["started"], rep["aborted"], rep["failed"], rep["completed"]) == (2, 2, 0, 0), rep
+
+
 @pytest.mark.parametrize(
     ("source", "words"),
     [(":Tokens", " ".join(f"w{i}" for i in range(50))), (":ToFirstThenCount", "50")],

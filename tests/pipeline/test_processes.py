@@ -1094,13 +1094,20 @@ def _has_ipv6_loopback() -> bool:
     return True
 
 
-@pytest.mark.parametrize("kind", ["ipv6", "ipc"])
+@pytest.mark.parametrize("kind", ["ipv6", "ipc", "every-interface", "every-ipv6-interface"])
 async def test_every_master_bind_the_config_accepts_works(kind: str, tmp_path: Path) -> None:
     """An IPv6 or an ipc:// master address, which the config accepts, serves requests and
-    leaves no socket file behind. (Both used to fail at bind with a ZMQ traceback.)"""
-    if kind == "ipv6" and not _has_ipv6_loopback():
+    leaves no socket file behind. (Both used to fail at bind with a ZMQ traceback.) So does
+    a master bound to every interface: its launched workers were given the wildcard as the
+    address to reach it at, refused it, and start-up failed."""
+    if "ipv6" in kind and not _has_ipv6_loopback():
         pytest.skip("no IPv6 loopback here")
-    bind = "tcp://[::1]:0" if kind == "ipv6" else f"ipc://{tmp_path}/master.sock"
+    bind = {
+        "ipv6": "tcp://[::1]:0",
+        "ipc": f"ipc://{tmp_path}/master.sock",
+        "every-interface": "tcp://0.0.0.0:0",
+        "every-ipv6-interface": "tcp://[::]:0",
+    }[kind]
     s = spec({"echo": ":Echo"}, []).model_copy(update={"master": MasterSpec(bind=bind)})
     async with Pipeline(s) as pipe:
         assert await pipe.submit(Text(kind)) == Text(kind)

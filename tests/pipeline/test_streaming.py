@@ -88,6 +88,19 @@ async def test_replicas_share_load_and_keep_order() -> None:
         assert min(served.values()) >= 30, served
 
 
+async def test_sequential_requests_alternate_between_replicas() -> None:
+    """One request at a time, each stage of two replicas alternates between them. The
+    round-robin counter was one for every stage, moved on once per stage a request: with
+    two stages of two replicas each, every request went to replica 0."""
+    s = spec(
+        {"echo": {"impl": ":Echo", "replicas": 2}, "who": {"impl": ":WhoAmI", "replicas": 2}},
+        [("echo", "who")],
+    )
+    async with Pipeline(s) as pipe:
+        replicas = [(await pipe.submit(Text("a"))).value.split("|")[2] for _ in range(8)]
+    assert sorted(replicas) == ["0"] * 4 + ["1"] * 4, replicas
+
+
 async def test_different_payloads_to_different_stages_and_join_by_request() -> None:
     """Outputs route per destination and a two-input stage joins them by request id."""
     s = spec(
