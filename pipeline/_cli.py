@@ -101,7 +101,9 @@ def _json_default(obj: Any) -> Any:
         return {"dtype": str(getattr(obj, "dtype", "?")), "shape": list(shape)}
     if isinstance(obj, bytes | bytearray | memoryview):
         return {"bytes": len(obj)}
-    raise NotImplementedError(type(obj).__name__)
+    # Anything else (a tuple as a dict's key, an object of the stage's own): shown as
+    # Python shows it, rather than a run that fails after its requests succeeded.
+    return repr(obj)
 
 
 #: An output as JSON bytes, tensors and arrays summarised.
@@ -122,6 +124,26 @@ def _field_names(tp: Any) -> set[str] | None:
     if getattr(tp.__struct_config__, "forbid_unknown_fields", False):
         return None  # msgspec refuses them already, naming them
     return set(tp.__struct_encode_fields__)
+
+
+def _refuse_unknown_fields(
+    where: str, line: str | bytes, name: str, known: set[str] | None
+) -> None:
+    """Refuse a JSON object naming a field its type lacks: a misspelt optional field would
+    be dropped without a word, its default used.
+
+    Raises:
+        _Fail: the line names an unknown field (exit code 2).
+    """
+    if known is None:
+        return
+    given = msgspec.json.decode(line)
+    unknown = sorted(set(given) - known) if isinstance(given, dict) else []
+    if unknown:
+        raise _Fail(
+            f"{where}: {name} has no field {unknown[0]!r} (its fields: {', '.join(sorted(known))})",
+            EXIT_CONFIG,
+        )
 
 
 def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
@@ -159,16 +181,7 @@ def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
             values.append(msgspec.json.decode(line, type=tp))
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise _Fail(f"{where}: not a valid {name}: {exc}", EXIT_CONFIG) from exc
-        if known is not None:
-            # A misspelt optional field would be dropped without a word, its default used.
-            given = msgspec.json.decode(line)
-            unknown = sorted(set(given) - known) if isinstance(given, dict) else []
-            if unknown:
-                raise _Fail(
-                    f"{where}: {name} has no field {unknown[0]!r} (its fields: "
-                    f"{', '.join(sorted(known))})",
-                    EXIT_CONFIG,
-                )
+        _refuse_unknown_fields(where, line, name, known)
     if not values:
         raise _Fail(f"{args.input_file}: no inputs", EXIT_CONFIG)
     return values
@@ -538,6 +551,9 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
                         raise _Fail(
                             f"PayloadError: --input is not a valid {name}: {exc}", EXIT_CONFIG
                         ) from None
+                    name = getattr(pipe.source_type, "__name__", "the source's type")
+                    known = _field_names(pipe.source_type)
+                    _refuse_unknown_fields("--input", args.input, name, known)
                 async with pipe.stream(value) as stream:
                     async for chunk in stream:
                         out = chunk.value if isinstance(chunk, SinkOutput) else chunk
@@ -548,6 +564,9 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
         if not interrupted:
             raise
         # Leaving the stream and the client cancelled the request at the master.
+        if _SIGTERM_CAME[0]:
+            console.print("terminated: the request was cancelled", markup=False)
+            return EXIT_TERMINATED
         console.print("interrupted: the request was cancelled", markup=False)
         return EXIT_INTERRUPTED
     except (TimeoutError, PipelineError) as exc:
@@ -804,9 +823,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
 
 
+#: Holds True once a SIGTERM came (see _on_sigterm_interrupt): a command that handles the
+#: interrupt itself says which signal it was.
+_SIGTERM_CAME = [False]
+
+
 def _on_sigterm_interrupt() -> list[bool]:
     """Make SIGTERM interrupt as SIGINT does; the list returned holds True once one came."""
-    came = [False]
+    came = _SIGTERM_CAME
+    came[0] = False
 
     def on_term(signum: int, frame: object) -> None:
         came[0] = True

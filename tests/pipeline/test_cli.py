@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -466,3 +467,13 @@ def test_validate_checks_the_key_pair_the_config_names(tmp_path: Path) -> None:
         done = _run(*command, timeout=60)
         assert done.returncode == 2, (command, done.stderr)
         assert "no CURVE key pair" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_an_output_json_cannot_hold_is_shown_as_python_shows_it() -> None:
+    """A dict keyed by tuples (which the codec carries) failed the whole run after its
+    requests succeeded: NotImplementedError, no tables, exit 1."""
+    from pipeline._cli import to_json
+
+    assert to_json({(1, 2): "a", "t": torch.zeros(2, 3)}) == (
+        b'{"(1, 2)":"a","t":{"dtype":"torch.float32","shape":[2,3]}}'
+    )

@@ -488,6 +488,10 @@ async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_w
         # code, so submit knows the source's type; the master is not bothered).
         bad = _submit(master, '{"value": 7}')
         assert bad.returncode == 2 and "PayloadError" in bad.stderr, bad.stderr
+        # A misspelt field is refused as `run` refuses it (it was dropped without a word).
+        typo = _submit(master, '{"value": "a", "valeu": "b"}')
+        assert typo.returncode == 2, typo.stderr
+        assert "--input: Text has no field 'valeu' (its fields: value)" in typo.stderr
         # Ctrl-C while the request streams: it is cancelled everywhere, exit 130.
         stalled = _submitting(master, '{"value": "a stall"}')
         procs.append(stalled)
@@ -497,6 +501,16 @@ async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_w
         stalled.send_signal(signal.SIGINT)
         assert await asyncio.to_thread(stalled.wait, 30) == 130
         stalled.stdout.close()
+        # SIGTERM (a service manager's stop) the same, but exit 143 saying so (it was 130).
+        err = tmp_path / "termed.err"
+        termed = _submitting(master, '{"value": "t stall"}', err)
+        procs.append(termed)
+        assert termed.stdout is not None
+        assert (await asyncio.to_thread(termed.stdout.readline)).strip() == b'[0,"t"]'
+        termed.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(termed.wait, 30) == 143
+        termed.stdout.close()
+        assert "terminated: the request was cancelled" in err.read_text()
         # A client killed while its request stalls sends no Cancel: the master finds it
         # gone (an Alive it cannot deliver) and cancels its request within seconds.
         killed = _submitting(master, '{"value": "b stall"}')
@@ -515,7 +529,7 @@ async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_w
             assert await asyncio.to_thread(p.wait, 30) == 0
         summary = (tmp_path / "master.err").read_text()
         assert (
-            "took 8 requests: 5 completed, 1 failed, 1 cancelled by their clients, 1 whose "
+            "took 9 requests: 5 completed, 1 failed, 2 cancelled by their clients, 1 whose "
             "clients went away" in summary
         ), summary
     finally:
