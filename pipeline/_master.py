@@ -110,6 +110,9 @@ class _Replica:
     pidns: int = 0
     #: Why it was declared dead, once it was.
     why: str = ""
+    #: When it registered (``time.monotonic``): its setup is bounded by ``startup_timeout``
+    #: from then, a replica restarted while the pipeline serves included.
+    registered: float = 0.0
 
 
 @dataclass(slots=True)
@@ -498,6 +501,7 @@ class Master:
             time.monotonic(),
             local=msg.local_endpoint,
             pidns=msg.pidns,
+            registered=time.monotonic(),
         )
         # Should it be dropped again some day (see _tell_unknown), it is told again.
         self._told.pop(identity, None)
@@ -687,6 +691,7 @@ class Master:
     async def _heartbeat(self) -> None:
         interval = self.spec.defaults.heartbeat_interval
         timeout = self.spec.defaults.heartbeat_timeout
+        setup_limit = self.spec.defaults.startup_timeout
         while True:
             await asyncio.sleep(interval)
             # If the loop was held, heartbeats may sit unread in the socket: read them before
@@ -699,8 +704,20 @@ class Master:
                 # A replica still importing and setting up its stage may hold the CPU for
                 # longer than a heartbeat (loading a model); it is bounded by startup_timeout
                 # and, when local, by its process exiting, so only ready ones are timed here.
+                # Past start-up (which fails on its own timeout), a restarted replica whose
+                # setup outlasts startup_timeout is dead too: it held its slot for good,
+                # neither restarted nor given up, and each request waited replica_wait.
+                why = ""
                 if rep.ready and now - rep.last_seen > timeout:
-                    self.replica_lost(rep.stage, rep.replica, f"missed heartbeats for {timeout:g}s")
+                    why = f"missed heartbeats for {timeout:g}s"
+                elif (
+                    not rep.ready
+                    and self.startup.ready.is_set()
+                    and now - rep.registered > setup_limit
+                ):
+                    why = f"was not ready {setup_limit:g}s (startup_timeout) after registering"
+                if why:
+                    self.replica_lost(rep.stage, rep.replica, why)
                     pid = local_pid(rep.pid, rep.pidns) if rep.host == self.host else 0
                     if pid and self.on_silent is not None:
                         self.on_silent(rep.stage, rep.replica, pid)

@@ -502,6 +502,17 @@ class HangingSetup(Echo):
         await asyncio.Event().wait()
 
 
+class HangsWhenRestarted(Echo):
+    """An echo that sets up at once the first time, and whose setup never returns in every
+    later process (the file HANG_MARKER names says it ran once)."""
+
+    async def setup(self) -> None:
+        mark = Path(os.environ["HANG_MARKER"])
+        if mark.exists():  # noqa: ASYNC240  # a marker file, read once
+            await asyncio.Event().wait()
+        mark.touch()  # noqa: ASYNC240
+
+
 class AnswersItsCancellation(Stage):
     """Waits for ever; cancelled (its request aborted), it catches the cancellation and
     answers all the same, or raises when the text is 'raise'."""

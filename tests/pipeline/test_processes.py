@@ -923,6 +923,33 @@ async def test_killed_worker_is_restarted_and_takes_its_slot_back() -> None:
         assert served[1] > 0, served
 
 
+async def test_a_restart_whose_setup_hangs_is_restarted_then_given_up(tmp_path: Path) -> None:
+    """A replica restarted while the pipeline serves, whose setup never returns, held its
+    slot for good: registered, never ready, never timed (only start-up was), so it was
+    neither restarted nor given up, and every request waited ``replica_wait`` for it. Past
+    ``startup_timeout`` it is now declared dead and killed, restarted within the budget,
+    then given up: requests fail at once, saying no replica is being restarted."""
+    s = spec(
+        {"echo": {"impl": ":HangsWhenRestarted", "env": {"HANG_MARKER": str(tmp_path / "m")}}},
+        [],
+        heartbeat_interval="200ms",
+        startup_timeout="1s",
+        replica_wait="60s",
+    )
+    async with Pipeline(s) as pipe:
+        assert await pipe.submit(Text("one")) == Text("one")
+        os.kill(pipe.worker_pids[("echo", 0)], signal.SIGKILL)
+
+        def given_up() -> bool:
+            return pipe._master_here().orch.replicas["echo"][0].given_up
+
+        await wait_for(given_up, timeout=40)
+        assert ("echo", 0) not in pipe.worker_pids
+        async with asyncio.timeout(20):  # not replica_wait's 60 s
+            with pytest.raises(StageUnavailable, match="none is being restarted"):
+                await pipe.submit(Text("two"))
+
+
 async def test_a_restarted_replica_gets_its_upstream_stages_chunks_again() -> None:
     """After a downstream replica is killed and restarted (at a new endpoint), the stage
     upstream of it sends that replica's chunks to where it now listens, not where it was."""
