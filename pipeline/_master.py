@@ -390,6 +390,7 @@ class Master:
         match msg:
             case Heartbeat(inflight=inflight, ended=ended, drained=drained, answers=answers):
                 rep.inflight = inflight
+                self._note_stalled(rep, msg.stalled)
                 if ended or drained:
                     self.orch.stage_reported(rep.stage, ended, drained)
                 if answers:
@@ -521,6 +522,25 @@ class Master:
         )
         self._send(identity, self._assignment(msg.stage, msg.replica))
         self._broadcast_peers(but=identity)
+
+    def _note_stalled(self, rep: _Replica, stalled: float) -> None:
+        """Note whether ``rep``'s event loop has been held past the heartbeat timeout."""
+        view = self.orch.replicas[rep.stage].get(rep.replica)
+        if view is None:
+            return
+        now = stalled > self.spec.defaults.heartbeat_timeout
+        if now != view.stalled:
+            view.stalled = now
+            if now:
+                log.warning(
+                    "replica_stalled",
+                    stage=rep.stage,
+                    replica=rep.replica,
+                    held_for=round(stalled, 1),
+                    reason="a handler holds its event loop; new requests go to other replicas",
+                )
+            else:
+                log.info("replica_unstalled", stage=rep.stage, replica=rep.replica)
 
     def _duplicate(self, old: _Replica, msg: Register) -> tuple[str, float] | None:
         """Why a registration for a live replica's slot is refused, if it is, and in how

@@ -220,6 +220,9 @@ class Heartbeat(_Msg, frozen=True, tag="hb"):
     ended: tuple[str, ...] = ()
     drained: tuple[tuple[str, str], ...] = ()
     answers: int = 0
+    #: From a worker: for how many seconds its event loop has not run (a handler holds it);
+    #: 0 while it runs.
+    stalled: float = 0.0
 
 
 class ReportAsk(_Msg, frozen=True, tag="report?"):

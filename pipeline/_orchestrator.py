@@ -79,7 +79,17 @@ def _consume_outcome(task: asyncio.Task[Any]) -> None:
 class ReplicaView:
     """What the orchestrator needs to know of one replica."""
 
-    __slots__ = ("endpoint", "given_up", "host", "pid", "ready", "replica", "requests", "stage")
+    __slots__ = (
+        "endpoint",
+        "given_up",
+        "host",
+        "pid",
+        "ready",
+        "replica",
+        "requests",
+        "stage",
+        "stalled",
+    )
 
     def __init__(self, stage: str, replica: int, endpoint: str, host: str, pid: int = 0) -> None:
         self.stage = stage
@@ -90,6 +100,9 @@ class ReplicaView:
         self.ready = False
         #: Dead, and its launcher will not restart it: nobody waits for it.
         self.given_up = False
+        #: Its event loop has been held past the heartbeat timeout (a handler that does not
+        #: give it back): new requests go to another ready replica while one is there.
+        self.stalled = False
         self.requests: set[str] = set()
 
 
@@ -212,6 +225,9 @@ class Orchestrator:
         live = [r for r in self.replicas[stage].values() if r.ready]
         if not live:
             raise StageUnavailable(stage, "no replica is ready")
+        # A replica whose loop a handler holds would take a request it cannot start, and,
+        # its stuck request aborted, look the least loaded of all.
+        live = [r for r in live if not r.stalled] or live
         least = min(len(r.requests) for r in live)
         candidates = [r for r in live if len(r.requests) == least]
         return candidates[next(self._rr[stage]) % len(candidates)]

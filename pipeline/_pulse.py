@@ -57,6 +57,10 @@ class Reporter(Protocol):
         """Reports still queued after the last :meth:`take_reports`."""
         ...
 
+    def stalled(self) -> float:
+        """For how many seconds the event loop has not run (0 while it runs)."""
+        ...
+
 
 class Pulse:
     """Sends ``Heartbeat`` every ``interval`` seconds until stopped, with what the
@@ -125,6 +129,7 @@ class Pulse:
                         tuple(ended),
                         tuple(drained),
                         answer,
+                        reporter.stalled(),
                     )
                     with contextlib.suppress(zmq.Again):
                         sock.send(_encode(beat), zmq.NOBLOCK)

@@ -161,6 +161,13 @@ class _Reports:
         actor = self._worker.actor
         return actor.reports_left() if actor is not None else 0
 
+    def stalled(self) -> float:
+        # Until it serves, a setup may hold the loop: that is startup_timeout's to bound.
+        worker = self._worker
+        if worker.actor is None or not worker.loop_tick:
+            return 0.0
+        return max(0.0, time.monotonic() - worker.loop_tick - worker.tick_every)
+
 
 class _Worker:
     def __init__(
@@ -223,6 +230,10 @@ class _Worker:
         self.stop = asyncio.Event()
         #: Stopped by Ctrl-C (a worker started by hand).
         self.interrupted = False
+        #: When the event loop last ran its periodic tick (``time.monotonic``; 0 before it
+        #: serves), and how often it does: the heartbeat thread tells a held loop by it.
+        self.loop_tick = 0.0
+        self.tick_every = 1.0
         #: Signals handled here while the replica serves (their default restored after).
         self.handled: list[signal.Signals] = []
         #: Armed by a signal to stop: ends the process if its loop never comes back.
@@ -618,8 +629,10 @@ class _Worker:
 
     async def _watch_master(self, interval: float, master_timeout: float) -> int:
         assert self.actor is not None
+        self.tick_every = interval
         while not self.stop.is_set():
-            self.actor.sweep(time.monotonic())
+            self.loop_tick = time.monotonic()
+            self.actor.sweep(self.loop_tick)
             if time.monotonic() - self.last_seen > master_timeout:
                 # The loop may just have been held by a long handler: read what the master
                 # sent meanwhile before concluding it is gone.

@@ -513,6 +513,18 @@ class HangsWhenRestarted(Echo):
         mark.touch()  # noqa: ASYNC240
 
 
+class SaysItsReplica(Stage):
+    """Answers with its replica's index; given 'hold', it first holds its event loop, as a
+    handler that never gives it back would, until a line comes through the FIFO named by
+    LINGER_FIFO."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        if text.value == "hold":
+            with open(os.environ["LINGER_FIFO"]) as fifo:  # noqa: ASYNC230  # holds the loop
+                fifo.readline()
+        return Text(str(ctx.replica))
+
+
 class AnswersItsCancellation(Stage):
     """Waits for ever; cancelled (its request aborted), it catches the cancellation and
     answers all the same, or raises when the text is 'raise'."""

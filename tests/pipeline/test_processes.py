@@ -950,6 +950,42 @@ async def test_a_restart_whose_setup_hangs_is_restarted_then_given_up(tmp_path: 
                 await pipe.submit(Text("two"))
 
 
+async def test_new_requests_avoid_a_replica_whose_loop_a_handler_holds(tmp_path: Path) -> None:
+    """A replica whose handler holds its event loop still beats (from a thread of its own),
+    so the master took it for a healthy one; its stuck request aborted, it looked the least
+    loaded and took every other new request, which hung there. Its heartbeats now say how
+    long its loop has been held: past ``heartbeat_timeout`` the others take the new
+    requests, and it takes its share again once its loop runs."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    s = spec(
+        {"s": {"impl": ":SaysItsReplica", "replicas": 2, "env": {"LINGER_FIFO": str(fifo)}}},
+        [],
+        heartbeat_interval="200ms",
+        heartbeat_timeout="1s",
+    )
+    async with Pipeline(s) as pipe:
+        views = pipe._master_here().orch.replicas["s"]
+        async with pipe.stream(Text("hold")):
+
+            def stalled() -> bool:
+                return any(v.stalled for v in views.values())
+
+            await wait_for(stalled, timeout=30)
+        (held,) = [k for k, v in views.items() if v.stalled]
+        async with asyncio.timeout(30):
+            answers = [(await pipe.submit(Text("x"))).value for _ in range(6)]
+        assert answers == [str(1 - held)] * 6
+        _go(fifo)
+
+        def unstalled() -> bool:
+            return not any(v.stalled for v in views.values())
+
+        await wait_for(unstalled, timeout=30)
+        answers = [(await pipe.submit(Text("x"))).value for _ in range(6)]
+        assert sorted(answers) == ["0"] * 3 + ["1"] * 3
+
+
 async def test_a_restarted_replica_gets_its_upstream_stages_chunks_again() -> None:
     """After a downstream replica is killed and restarted (at a new endpoint), the stage
     upstream of it sends that replica's chunks to where it now listens, not where it was."""

@@ -51,6 +51,9 @@ class Reports:
     def reports_left(self) -> int:
         return len(self.queue)
 
+    def stalled(self) -> float:
+        return 0.0
+
 
 @pytest.fixture
 def router() -> Iterator[tuple[zmq.Socket[bytes], str]]:
