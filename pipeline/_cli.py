@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import heapq
 import itertools
 import math
 import os
@@ -307,7 +308,21 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     failures: list[tuple[int, str]] = []
     #: With --debug, the stage tracebacks of the first failures.
     tracebacks: list[str] = []
-    outputs: list[tuple[int, Any]] = []
+    # Outputs in memory: every one with --print-outputs; else the three of the lowest
+    # request numbers, as a heap of (-number, number, output) (the rest are counted).
+    outputs: list[tuple[int, int, Any]] = []
+    completed = 0
+
+    def keep(i: int, out: Any) -> None:
+        nonlocal completed
+        completed += 1
+        if args.print_outputs:
+            outputs.append((-i, i, out))
+        elif len(outputs) < 3:
+            heapq.heappush(outputs, (-i, i, out))
+        elif i < outputs[0][1]:
+            heapq.heapreplace(outputs, (-i, i, out))
+
     try:
         if args.show_stream is not None:
             await _show_stream(pipe, inputs[0], args.show_stream, console)
@@ -329,7 +344,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             async def client() -> None:
                 for i, value in queue:
                     try:
-                        outputs.append((i, await pipe.submit(value)))
+                        keep(i, await pipe.submit(value))
                     except PipelineError as exc:
                         failures.append((i, f"request {i}: {exc}"))
                         if args.debug and isinstance(exc, StageError) and len(tracebacks) < 3:
@@ -347,16 +362,20 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         stats = await pipe.statistics()
     finally:
         await pipe.aclose()
-    outputs.sort(key=lambda o: o[0])
-    shown = outputs if args.print_outputs else outputs[: min(3, len(outputs))]
+    shown = sorted((i, out) for _, i, out in outputs)
     try:
+        if sys.stdout is None:
+            raise OSError("standard output is closed")
         for i, out in shown:
             sys.stdout.write(f"{i}: {to_json(out).decode()}\n")
         sys.stdout.flush()
     except BrokenPipeError:
         _quiet_stdout()  # its reader stopped (``| head``): the figures still go to stderr
-    if len(shown) < len(outputs):
-        console.print(f"({len(outputs) - len(shown)} more outputs; --print-outputs shows all)")
+    except OSError as exc:
+        # A full disk, a closed stdout: said in one line, and the figures still follow.
+        console.print(f"[yellow]cannot write the outputs:[/yellow] {escape(str(exc))}")
+    if len(shown) < completed:
+        console.print(f"({completed - len(shown)} more outputs; --print-outputs shows all)")
     spec = pipe.spec
     print_tables(
         console, render_tables(stats, [e.name for e in spec.edges], spec.topological_order())
@@ -371,7 +390,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         f"workers started in {started:.2f}s"
     )
     for _, line in sorted(failures)[:5]:
-        console.print(f"[red]failed[/red] {escape(_one_line(line))}")
+        console.print(f"[red]failed[/red] {escape(_one_line(line))}", soft_wrap=True)
     for text in tracebacks:
         console.print(f"stage traceback:\n{text}", highlight=False, markup=False)
     return EXIT_FAILED if failures else 0

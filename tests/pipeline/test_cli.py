@@ -59,6 +59,34 @@ def test_failed_requests_exit_1(tmp_path: Path) -> None:
     assert "cannot echo 'boom'" in res.stderr
 
 
+def test_run_shows_the_first_outputs_and_counts_the_rest_and_survives_a_full_stdout(
+    tmp_path: Path,
+) -> None:
+    """Off ``--print-outputs`` only the three outputs of the lowest request numbers are
+    kept (every output was held in memory until the end); a stdout that cannot be written
+    (a full disk) is one line, not a traceback that lost the tables; a failure is one line
+    however long its message."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("stages:\n  e: {impl: 'tests.pipeline.sample_stages:Echo'}\n")
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("".join(f'{{"value": "v{i}"}}\n' for i in range(30)))
+    res = _run("run", str(cfg), "--input-file", str(inputs), "--concurrency", "8")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [f'{i}: {{"value":"v{i}"}}' for i in range(3)]
+    assert "(27 more outputs; --print-outputs shows all)" in res.stderr
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "pipeline", "run", str(cfg), "--input-file", str(inputs)],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "cannot write the outputs: [Errno 28] No space left on device" in done.stderr
+    assert "Traceback" not in done.stderr and "30/30 requests ok" in done.stderr
+    boom = _run("run", str(cfg), "--input", '{"value": "boom' + "x" * 300 + '"}')
+    (line,) = [ln for ln in boom.stderr.splitlines() if ln.startswith("failed ")]
+    assert line.endswith("x" * 100 + "'"), boom.stderr
+
+
 def test_debug_shows_a_failed_stages_traceback(tmp_path: Path) -> None:
     """With --debug, run prints the traceback the stage's worker formatted for a failure."""
     cfg = tmp_path / "p.yaml"
