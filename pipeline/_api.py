@@ -17,7 +17,7 @@ import structlog
 
 from pipeline._codec import resolve_device
 from pipeline._config import PipelineSpec
-from pipeline._errors import EndOfChannel, PayloadError, RequestAborted
+from pipeline._errors import ConfigError, EndOfChannel, PayloadError, RequestAborted
 from pipeline._host import on_this_host
 from pipeline._launcher import LocalLauncher
 from pipeline._lifecycle import LoopBound
@@ -254,6 +254,17 @@ class Pipeline(LoopBound):
         document = read_yaml_file(path)
         # The document goes along so that errors found building the plan name their line.
         spec = PipelineSpec.from_document(document)
+        if spec.master.keys is not None:
+            # A key pair that is not there is the file's error, named where it is written.
+            try:
+                resolve_keys(spec.master.keys)
+            except ConfigError as exc:
+                raise ConfigError(
+                    exc.message,
+                    file=os.fspath(path),
+                    path="master.keys",
+                    line=document.line_of(("master", "keys"), key=True),
+                ) from None
         return cls(spec, device=device, source=os.fspath(path), _document=document)
 
     @classmethod

@@ -22,6 +22,9 @@ def _size(n: float) -> str:
 
 
 def _us(v: float) -> str:
+    """A latency in µs, in the unit that reads best."""
+    if v >= 1_000_000:
+        return f"{v / 1_000_000:.2f} s"
     return f"{v / 1000:.2f} ms" if v >= 1000 else f"{v:.0f} µs"
 
 

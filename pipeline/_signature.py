@@ -134,9 +134,11 @@ def load_stage_class(impl: str, *, stage: str = "?") -> type[Stage]:
         raise ConfigError(
             f"cannot import {module_name!r}: {type(exc).__name__}: {exc}", path=path
         ) from exc
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise ConfigError(f"module {module_name!r} has no attribute {attr!r}", path=path)
+    cls: Any = module
+    for part in attr.split("."):  # a class nested in another: Outer.Inner
+        cls = getattr(cls, part, None)
+        if cls is None:
+            raise ConfigError(f"module {module_name!r} has no attribute {attr!r}", path=path)
     if not (isinstance(cls, type) and issubclass(cls, Stage)):
         raise ConfigError(f"{impl!r} is not a subclass of pipeline.Stage", path=path)
     if not callable(getattr(cls, "process", None)):

@@ -485,7 +485,7 @@ def test_a_reader_that_stops_early_ends_the_outputs_quietly(tmp_path: Path) -> N
 
 def test_validate_checks_the_key_pair_the_config_names(tmp_path: Path) -> None:
     """A ``master.keys`` directory without a pair passed ``validate`` and then failed
-    ``run``: both refuse it now, on one line, exit 2."""
+    ``run``: both refuse it now, on one line naming the file, field and line, exit 2."""
     cfg = tmp_path / "p.yaml"
     cfg.write_text(
         f"master: {{keys: {str(tmp_path / 'no-keys')!r}}}\n"
@@ -495,6 +495,7 @@ def test_validate_checks_the_key_pair_the_config_names(tmp_path: Path) -> None:
         done = _run(*command, timeout=60)
         assert done.returncode == 2, (command, done.stderr)
         assert "no CURVE key pair" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+        assert f"{cfg}:1: master.keys: no CURVE key pair in" in done.stderr, done.stderr
 
 
 def test_an_output_json_cannot_hold_is_shown_as_python_shows_it() -> None:
@@ -505,3 +506,10 @@ def test_an_output_json_cannot_hold_is_shown_as_python_shows_it() -> None:
     assert to_json({(1, 2): "a", "t": torch.zeros(2, 3)}) == (
         b'{"(1, 2)":"a","t":{"dtype":"torch.float32","shape":[2,3]}}'
     )
+
+
+def test_latencies_read_in_their_unit() -> None:
+    """A latency past a second read "3000.95 ms"."""
+    from pipeline._report import _us
+
+    assert [_us(v) for v in (850, 12_340, 3_000_950)] == ["850 µs", "12.34 ms", "3.00 s"]

@@ -101,6 +101,7 @@ def _build(stages: dict[str, str], edges: list[tuple[str, str]], **kw: object) -
         ("tests.pipeline.test_plan:NoReturn", "no return annotation"),
         ("no_such_module_xyz:Stage", "cannot import 'no_such_module_xyz'"),
         ("stages.text:Nope", "has no attribute 'Nope'"),
+        ("tests.pipeline.test_plan:Holder.Nope", "has no attribute 'Holder.Nope'"),
         ("stages.text:Text", "not a subclass of pipeline.Stage"),
     ],
 )
@@ -110,6 +111,21 @@ def test_bad_stage_classes_are_config_errors(impl: str, match: str) -> None:
         _build({"only": impl}, [])
     assert "stages.only" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+class Holder:
+    """Stage classes nested in another class."""
+
+    class Echo(Stage):
+        async def process(self, text: Text, ctx: Context) -> Text:
+            return text
+
+
+async def test_a_stage_class_nested_in_another_loads() -> None:
+    """``module:Outer.Inner``, which the schema accepts, loads (it was looked up as one
+    attribute named "Outer.Inner", and refused) and runs in a worker."""
+    async with _build({"only": "tests.pipeline.test_plan:Holder.Echo"}, []) as pipe:
+        assert await pipe.submit(Text("nested")) == Text("nested")
 
 
 def test_edge_type_mismatch_names_the_edge() -> None:
