@@ -20,11 +20,13 @@ could free: it would fail (``TransportFull``) or fall back. So the payloads that
 not yet being read hold in such a transport share at most :data:`QUEUED_SHARE` of its
 capacity (and one byte window), across the edge; past it, such a request sends nothing
 more until its consumer begins reading it. A consumer with this one input starts no
-request before its first chunk, so a first chunk waits for the share like the rest: every
-request holding part of it has its first chunk there and runs when its turn comes. A
-join's first chunk goes regardless: its handler may have started on another input and
-wait for this one. On such edges the consumer returns credit at once for the first chunk
-it takes, which is how the producer learns that a request is being read.
+request before its first chunk, so a first chunk waits for the share too, while its own
+consumer replica has requests queued ahead of it: those have their first chunks there and
+run when their turn comes, and one replica's queue (its handler stuck, say) holds up no
+other replica's requests. A join's first chunk goes regardless: its handler may have
+started on another input and wait for this one. On such edges the consumer returns
+credit at once for the first chunk it takes, which is how the producer learns that a
+request is being read.
 """
 
 from __future__ import annotations
@@ -623,8 +625,12 @@ class OutputChannel:
         name, sender = self._choose(encoded, target)
         queued = False
         if sender is self._shared and not win.reading:
-            first_goes = not win.next_seq and self.plan.joined
-            if not first_goes and self._queued_full() and not await self._wait_queued(win):
+            first = not win.next_seq
+            if (
+                not (first and self.plan.joined)
+                and self._holds_back(win, first)
+                and not await self._wait_queued(win, first)
+            ):
                 self.unread += 1
                 return
             queued = True
@@ -663,9 +669,28 @@ class OutputChannel:
         assert self._shared is not None
         return self._shared.queued_bytes() + self._queued_putting >= self._queued_share
 
-    async def _wait_queued(self, win: _Window) -> bool:
+    def _holds_back(self, win: _Window, first: bool) -> bool:
+        """Whether a chunk of ``win`` (its request not being read) waits for the queued
+        share: a first chunk only while its own consumer replica has requests queued
+        ahead of it (another replica's queue is not its turn to wait for)."""
+        if not self._queued_full():
+            return False
+        if not first:
+            return True
+        reader = win.reader
+        return any(
+            other is not win
+            and other.reader == reader
+            and other.next_seq
+            and not other.reading
+            and not other.done
+            for other in self._windows.values()
+        )
+
+    async def _wait_queued(self, win: _Window, first: bool = False) -> bool:
         """Wait until the request of ``win`` is being read, or queued requests hold less
-        than their share of the shared transport, or its consumer stops reading it.
+        than their share of the shared transport (for a ``first`` chunk: or its consumer
+        replica has no request queued), or its consumer stops reading it.
 
         Returns:
             False when its consumer stopped reading it: the chunk is not to be sent.
@@ -677,7 +702,7 @@ class OutputChannel:
         self._queued_waiting.add(win)
         try:
             loop = asyncio.get_running_loop()
-            while not win.done and not win.reading and self._queued_full():
+            while not win.done and not win.reading and self._holds_back(win, first):
                 waiter = win.waiter = loop.create_future()
                 recheck = loop.call_later(QUEUED_RECHECK_S, _wake, waiter)
                 try:

@@ -6,9 +6,14 @@ gives it back (a model step caught in a loop, a read that never returns) keeps t
 ever happening, and the worker outlived its master: killed with ``kill -9``, the master
 took the launcher with it, and nothing was left to send the SIGKILL that follows.
 
-The signal's handler arms a :class:`Watchdog`. If the worker has not ended in order within
-its grace, the watchdog's thread removes what the process would remove at a clean exit
-(its shm segments, its CUDA IPC files) and ends the process at once.
+The signal's handler arms a :class:`Watchdog`, whose thread then ends the process once the
+loop has not run for the grace period since (or once the stop as a whole has taken much
+longer than that, its loop free but a teardown awaiting for ever), after removing what the
+process would remove at a clean exit (its shm segments, its CUDA IPC files).
+
+Arming takes no lock, so that a second signal, whose handler Python runs nested inside the
+first one's, cannot wait on the first (two SIGTERMs at once: the launcher's, and the
+kernel's at the parent's death).
 """
 
 from __future__ import annotations
@@ -16,61 +21,78 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 import structlog
 
-__all__ = ("EXIT_STOP_OVERDUE", "Watchdog")
+__all__ = ("EXIT_STOP_OVERDUE", "STOP_LIMIT_GRACES", "Watchdog")
 
 log = structlog.get_logger("stagewire.worker")
 
 #: A worker ended by its watchdog exits as a SIGTERM would have ended it.
 EXIT_STOP_OVERDUE = 143
+#: A stop whose loop runs may take this many grace periods in all (a slow teardown).
+STOP_LIMIT_GRACES = 6
 
 
 class Watchdog:
-    """Ends this process ``grace`` seconds after :meth:`arm`, unless :meth:`disarm` comes
-    first. Both are safe to call from a signal handler and from any thread."""
+    """Once armed, ends this process when ``loop_seen()`` (when the event loop last ran,
+    on ``time.monotonic``) is ``grace`` seconds old and older than the arming, or
+    ``STOP_LIMIT_GRACES`` graces after the arming. :meth:`arm` is safe to call from a
+    signal handler, nested or not."""
 
-    def __init__(self, stage: str, replica: int, grace: float) -> None:
+    def __init__(
+        self, stage: str, replica: int, grace: float, loop_seen: Callable[[], float]
+    ) -> None:
         self._stage = stage
         self._replica = replica
         self._grace = grace
-        self._timer: threading.Timer | None = None
-        self._disarmed = False
-        self._lock = threading.Lock()
+        self._loop_seen = loop_seen
+        #: When the first stop signal came (0: none yet). A plain attribute: a signal
+        #: handler sets it without a lock.
+        self._armed_at = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stagewire-watchdog", daemon=True)
 
-    @property
-    def armed(self) -> bool:
-        """Whether a stop is under way and being watched."""
-        return self._timer is not None and not self._disarmed
+    def start(self) -> None:
+        """Start watching (idle until armed)."""
+        self._thread.start()
 
     def arm(self) -> None:
-        """Start the countdown; a second call keeps the first one's."""
-        with self._lock:
-            if self._timer is not None or self._disarmed:
-                return
-            timer = self._timer = threading.Timer(self._grace, self._fire)
-            timer.name = "stagewire-watchdog"
-            timer.daemon = True
-            timer.start()
+        """A stop was asked for: start the countdown (a later call keeps the first's)."""
+        if not self._armed_at:
+            self._armed_at = time.monotonic()
 
     def disarm(self) -> None:
         """The worker ended in order (or is about to): never fire."""
-        with self._lock:
-            self._disarmed = True
-            if self._timer is not None:
-                self._timer.cancel()
+        self._done.set()
 
-    def _fire(self) -> None:
-        with self._lock:
-            if self._disarmed:
+    def _watch(self) -> None:
+        poll = min(0.25, self._grace / 4)
+        while not self._done.wait(poll):
+            armed = self._armed_at
+            if not armed:
+                continue
+            now = time.monotonic()
+            held = now - max(armed, self._loop_seen()) > self._grace
+            if held or now - armed > STOP_LIMIT_GRACES * self._grace:
+                if not self._done.is_set():
+                    self._fire(held)
                 return
+
+    def _fire(self, held: bool) -> None:
         log.error(
             "stop_overdue",
             stage=self._stage,
             replica=self._replica,
             grace=self._grace,
-            reason="a handler holds the event loop; the worker ends without finishing it",
+            reason=(
+                "a handler holds the event loop"
+                if held
+                else f"the stop took over {STOP_LIMIT_GRACES * self._grace:g}s"
+            )
+            + "; the worker ends without finishing it",
         )
         remove_own_leftovers()
         sys.stderr.flush()

@@ -231,13 +231,15 @@ class _Worker:
         #: Stopped by Ctrl-C (a worker started by hand).
         self.interrupted = False
         #: When the event loop last ran its periodic tick (``time.monotonic``; 0 before it
-        #: serves), and how often it does: the heartbeat thread tells a held loop by it.
+        #: serves), and how often it does: the heartbeat thread and the watchdog tell a
+        #: held loop by it.
         self.loop_tick = 0.0
         self.tick_every = 1.0
+        self._ticker: asyncio.TimerHandle | None = None
         #: Signals handled here while the replica serves (their default restored after).
         self.handled: list[signal.Signals] = []
         #: Armed by a signal to stop: ends the process if its loop never comes back.
-        self.watchdog = Watchdog(stage, replica, 10.0)
+        self.watchdog: Watchdog | None = None
         #: Told by the master that it does not count this worker as serving: it registers
         #: again (see :meth:`_rejoin`) unless it is stopping, or exits 4 if a launcher
         #: started it (``dropped``).
@@ -521,7 +523,12 @@ class _Worker:
         # the loop, cannot outlive the master. Python-level handlers, not the loop's: they
         # run even while a handler holds the loop, and arm the watchdog that ends a worker
         # whose loop never comes back.
-        self.watchdog = Watchdog(self.stage, self.replica, 2 * spec.defaults.heartbeat_timeout)
+        self.tick_every = spec.defaults.heartbeat_interval
+        self._tick()
+        self.watchdog = Watchdog(
+            self.stage, self.replica, 2 * spec.defaults.heartbeat_timeout, self._loop_seen
+        )
+        self.watchdog.start()
         self._on_signal(signal.SIGTERM, self._terminate)
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             # Started by hand: Ctrl-C stops it in order too (one a launcher started ignores
@@ -590,12 +597,28 @@ class _Worker:
         log.warning("rejoined", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
         return None
 
+    def _tick(self) -> None:
+        """Note that the loop runs, every ``tick_every`` seconds while the worker lives."""
+        self.loop_tick = time.monotonic()
+        self._ticker = asyncio.get_running_loop().call_later(self.tick_every, self._tick)
+
+    def _loop_seen(self) -> float:
+        return self.loop_tick
+
+    def stop_ticking(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+
     def _on_signal(self, sig: signal.Signals, stop: Callable[[], None]) -> None:
         """Have ``sig`` call ``stop`` on the loop, and arm the watchdog."""
         loop = asyncio.get_running_loop()
+        watchdog = self.watchdog
+        assert watchdog is not None
 
         def handler(signum: int, frame: object) -> None:
-            self.watchdog.arm()
+            # No lock taken here: a second signal runs this nested inside the first.
+            watchdog.arm()
             if not loop.is_closed():
                 loop.call_soon_threadsafe(stop)
 
@@ -629,10 +652,8 @@ class _Worker:
 
     async def _watch_master(self, interval: float, master_timeout: float) -> int:
         assert self.actor is not None
-        self.tick_every = interval
         while not self.stop.is_set():
-            self.loop_tick = time.monotonic()
-            self.actor.sweep(self.loop_tick)
+            self.actor.sweep(time.monotonic())
             if time.monotonic() - self.last_seen > master_timeout:
                 # The loop may just have been held by a long handler: read what the master
                 # sent meanwhile before concluding it is gone.
@@ -690,8 +711,10 @@ async def run_worker(
         for sig in worker.handled:
             default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
             signal.signal(sig, default)
+        worker.stop_ticking()
         worker.close()
-        worker.watchdog.disarm()
+        if worker.watchdog is not None:
+            worker.watchdog.disarm()
 
 
 def parser() -> argparse.ArgumentParser:

@@ -538,6 +538,49 @@ class AnswersItsCancellation(Stage):
         return text
 
 
+class Parcel(msgspec.Struct):
+    """A text with a large payload alongside."""
+
+    text: str
+    data: bytes
+
+
+class Wraps(Stage):
+    """Sends its text on with ``size`` bytes alongside."""
+
+    class Params(BaseModel):
+        size: int = 3 * 1024 * 1024
+
+    async def process(self, text: Text, ctx: Context) -> Parcel:
+        assert isinstance(self.params, Wraps.Params)
+        return Parcel(text.value, bytes(self.params.size))
+
+
+class Unwraps(Stage):
+    """Answers "TEXT@REPLICA"; a text "hold:PATH" first touches PATH.taken, then awaits
+    (its loop free) a line through the FIFO at PATH."""
+
+    async def process(self, parcel: Parcel, ctx: Context) -> Text:
+        if parcel.text.startswith("hold:"):
+            Path(parcel.text.removeprefix("hold:") + ".taken").touch()  # noqa: ASYNC240
+
+            def released() -> str:
+                with open(parcel.text.removeprefix("hold:")) as fifo:
+                    return fifo.readline()
+
+            await asyncio.wait_for(asyncio.to_thread(released), 60)
+        return Text(f"{parcel.text}@{ctx.replica}")
+
+
+class SlowTeardown(Echo):
+    """An echo whose teardown touches the file HOLD_MARK names, then awaits (its loop free)
+    a line through the FIFO named by LINGER_FIFO: a teardown that flushes something slow."""
+
+    async def teardown(self) -> None:
+        Path(os.environ["HOLD_MARK"]).touch()  # noqa: ASYNC240
+        await _line_through_fifo()
+
+
 class SpinsForever(Stage):
     """Touches the file HOLD_MARK names, then holds its event loop for good in a Python
     loop (a model step caught in a loop): nothing it awaits ever runs again."""

@@ -365,6 +365,41 @@ async def test_a_worker_waiting_long_for_its_master_keeps_waiting() -> None:
         worker.close()
 
 
+async def test_a_worker_stopping_slowly_with_its_loop_free_is_not_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hand-started worker told to stop (SIGTERM) whose teardown takes a while, awaiting
+    with its loop free, was ended by its watchdog twice the heartbeat timeout after the
+    signal (exit 143, its teardown cut short, blamed on a handler holding the loop). The
+    watchdog now ends only a worker whose loop has not run for that long."""
+    fifo, mark = tmp_path / "go", tmp_path / "tearing-down"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("LINGER_FIFO", str(fifo))
+    monkeypatch.setenv("HOLD_MARK", str(mark))
+    config = tmp_path / "slow.yaml"
+    config.write_text(
+        "name: slow\n"
+        "defaults: {heartbeat_interval: 100ms, heartbeat_timeout: 500ms}\n"
+        "stages:\n"
+        '  echo: {impl: "tests.pipeline.sample_stages:SlowTeardown"}\n'
+    )
+    master, procs = await _serving(config, tmp_path)
+    worker = procs[1]
+    try:
+        assert _submit(master, '{"value": "a"}').stdout.split() == ['{"value":"a"}']
+        worker.send_signal(signal.SIGTERM)
+        await wait_for(mark.exists, timeout=30)
+        # Past the 1 s grace (a stop may take 6 s in all), it is still tearing down.
+        with pytest.raises(subprocess.TimeoutExpired):
+            await asyncio.to_thread(worker.wait, 1.5)
+        with fifo.open("w") as f:
+            f.write("go\n")
+        assert await asyncio.to_thread(worker.wait, 30) == 0
+        assert "stop_overdue" not in (tmp_path / "echo.err").read_text()
+    finally:
+        kill_all(procs)
+
+
 async def test_a_second_worker_is_refused_while_the_first_is_still_setting_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

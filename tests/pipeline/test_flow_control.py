@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,63 @@ async def test_the_first_chunks_of_many_queued_requests_leave_room_for_the_runni
         (out,) = next(r for r in stats["replicas"] if r["stage"] == "flood")["outputs"]
         assert (out["used"], out["fallbacks"]) == ({"shm": count * requests}, 0)
         await wait_for(lambda: _arena_empty(pipe))
+
+
+async def test_a_request_for_an_idle_replica_does_not_wait_behind_another_replicas_queue(
+    tmp_path: Path,
+) -> None:
+    """The queued share is the producer's, across its consumer's replicas. A first chunk
+    for a replica with nothing queued waited while another replica's queued requests held
+    the share: behind that replica's running request, for as long as it ran (for good, its
+    handler stuck). It waits only behind its own replica's queue now."""
+    s = spec(
+        {
+            "wrap": {"impl": ":Wraps", "max_concurrency": 8},
+            "work": {"impl": ":Unwraps", "replicas": 2, "max_concurrency": 1},
+        },
+        [("wrap", "work")],
+        # One 3 MiB first chunk fills the 2 MiB queued share of this 8 MiB arena.
+        transport={"kind": "shm", "options": {"capacity": "8MiB"}, "full_timeout": 60},
+    )
+    fifos = {name: tmp_path / name for name in ("a", "b")}
+    for fifo in fifos.values():
+        os.mkfifo(fifo)
+    async with Pipeline(s) as pipe:
+        views = pipe._master_here().orch.replicas["work"]
+
+        def replica_of(request_id: str) -> int:
+            (k,) = [k for k, v in views.items() if request_id in v.requests]
+            return k
+
+        async def held(name: str) -> tuple[asyncio.Task[Text], int]:
+            stream = pipe.stream(Text(f"hold:{fifos[name]}"))
+            rid = await stream.start()
+            return asyncio.ensure_future(anext(stream)), replica_of(rid)
+
+        # Each replica runs a held request; a third request queues behind one of them,
+        # its first chunk in the arena, counted in the queued share.
+        first, at_first = await held("a")
+        second, at_second = await held("b")
+        assert {at_first, at_second} == {0, 1}
+        await wait_for(lambda: all(Path(f"{f}.taken").exists() for f in fifos.values()))
+        queued = pipe.stream(Text("queued"))
+        at_queued = replica_of(await queued.start())
+
+        async def in_the_arena() -> bool:
+            stats = await pipe.statistics()
+            (out,) = next(r for r in stats["replicas"] if r["stage"] == "wrap")["outputs"]
+            return bool(out["transports"]["shm"]["held"])
+
+        await wait_for(in_the_arena)
+        # The other replica's request ends: that replica is idle, the queue stays.
+        other = "a" if at_first != at_queued else "b"
+        with fifos[other].open("w") as f:
+            f.write("go\n")
+        await (first if other == "a" else second)
+        async with asyncio.timeout(20):
+            answer = await pipe.submit(Text("fast"))
+        assert answer == Text(f"fast@{1 - at_queued}")
+        with fifos["b" if other == "a" else "a"].open("w") as f:
+            f.write("go\n")
+        assert await anext(queued) == Text(f"queued@{at_queued}")
+        await (second if other == "a" else first)
