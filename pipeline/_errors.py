@@ -235,12 +235,22 @@ class FailureInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     traceback: str = ""
 
 
+#: The most characters of a handler's exception message sent on: one of tens of MB (an
+#: input quoted whole) passed every control message's size cap, and the connection it
+#: took (the worker's to its master, a remote client's) dropped with every request on it.
+MESSAGE_CHARS = 8192
+
+
 def message_of(exc: BaseException) -> str:
-    """``str(exc)``, or a stand-in when the exception's own ``__str__`` fails."""
+    """``str(exc)`` (its first :data:`MESSAGE_CHARS` characters), or a stand-in when the
+    exception's own ``__str__`` fails."""
     try:
-        return str(exc)
+        text = str(exc)
     except Exception as e:
         return f"<the message of this {type(exc).__name__} could not be made: {e!r}>"
+    if len(text) > MESSAGE_CHARS:
+        text = f"{text[:MESSAGE_CHARS]}... ({len(text) - MESSAGE_CHARS} more characters)"
+    return text
 
 
 def error_to_failure(exc: BaseException, *, stage: str, request_id: str) -> FailureInfo:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import warnings
 from types import TracebackType
@@ -147,11 +148,15 @@ class RemotePipeline(LoopBound):
         """Check the arguments; connects nothing (``start`` or ``async with`` does).
 
         Raises:
-            ConfigError: ``timeout`` is not positive, ``keys`` (or ``STAGEWIRE_KEYS``)
-                names no valid key pair, or ``device`` no device this process can use.
+            ConfigError: ``timeout`` is not a positive finite number of seconds, ``keys``
+                (or ``STAGEWIRE_KEYS``) names no valid key pair, or ``device`` no device
+                this process can use.
         """
-        if not timeout > 0:
-            raise ConfigError(f"timeout must be positive, not {timeout!r}")
+        if not 0 < timeout < math.inf:
+            # inf hung the connect: it is what a silent master is judged by, not a wait.
+            raise ConfigError(
+                f"timeout must be a positive, finite number of seconds, not {timeout!r}"
+            )
         self.endpoint = endpoint
         self.timeout = float(timeout)
         self.device = None if device is None else resolve_device(device)

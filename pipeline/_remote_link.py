@@ -58,16 +58,22 @@ def _client_socket(
 ) -> zmq.Socket[Any]:
     """A DEALER for a master's control endpoint, presenting ``keys`` if any; not yet
     connected (see :func:`_connect`)."""
-    sock: zmq.Socket[Any] = secure_client(ctx.socket(zmq.DEALER), keys)
-    sock.setsockopt(zmq.LINGER, 0)
-    # Requests and cancels queue while the master is unreachable and leave once it is
-    # back (or are dropped at close); they are never dropped for a full queue.
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-    # A ping every quarter of ``timeout`` (at most 2 s); the connection goes when the
-    # master stays silent twice that (the client fails its requests after ``timeout``
-    # of silence itself: a master that thaws in between keeps the connection).
-    set_heartbeats(sock, min(2.0, timeout / 4), 2 * timeout, timeout)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    try:
+        secure_client(sock, keys)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Requests and cancels queue while the master is unreachable and leave once it is
+        # back (or are dropped at close); they are never dropped for a full queue.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+        # A ping every quarter of ``timeout`` (at most 2 s); the connection goes when the
+        # master stays silent twice that (the client fails its requests after ``timeout``
+        # of silence itself: a master that thaws in between keeps the connection).
+        set_heartbeats(sock, min(2.0, timeout / 4), 2 * timeout, timeout)
+    except BaseException:
+        # A socket left open would hold the context's term() for ever.
+        sock.close(linger=0)
+        raise
     return sock
 
 

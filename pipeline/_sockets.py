@@ -136,9 +136,14 @@ def set_heartbeats(sock: zmq.Socket[Any], interval: float, timeout: float, ttl: 
     ``interval`` seconds, a connection dropped when nothing comes ``timeout`` after one
     (a peer cut off without a TCP close: a partition, a frozen host), and its peers asked
     to drop it when they hear nothing for ``ttl`` (at most a minute)."""
-    sock.setsockopt(zmq.HEARTBEAT_IVL, min(_MAX_MS, max(100, round(interval * 1000))))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, min(_MAX_MS, max(200, round(timeout * 1000))))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, min(_MAX_TTL_MS, max(100, round(ttl * 1000))))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(interval, 100, _MAX_MS))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(timeout, 200, _MAX_MS))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(ttl, 100, _MAX_TTL_MS))
+
+
+def _ms(seconds: float, least: int, most: int) -> int:
+    """``seconds`` in whole milliseconds, within [least, most] (infinity: ``most``)."""
+    return most if seconds * 1000 >= most else max(least, round(seconds * 1000))
 
 
 class SocketReader:

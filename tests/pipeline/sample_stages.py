@@ -202,6 +202,9 @@ class Misbehaves(Stage):
                 raise KeyboardInterrupt
             case "no message":
                 raise _NoMessage
+            case "huge message":
+                # Past every control message's size cap, were it sent whole.
+                raise ValueError("x" * 70_000_000)
             case "another pipeline's gap":
                 raise ChunkGap("a-request-of-another-pipeline", "x->y", 3, 1.0)
             case "another pipeline's stage":

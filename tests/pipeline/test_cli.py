@@ -513,3 +513,12 @@ def test_latencies_read_in_their_unit() -> None:
     from pipeline._report import _us
 
     assert [_us(v) for v in (850, 12_340, 3_000_950)] == ["850 µs", "12.34 ms", "3.00 s"]
+
+
+def test_heartbeat_options_take_any_duration() -> None:
+    """An infinite duration overflowed the conversion to milliseconds."""
+    from pipeline._sockets import _ms
+
+    assert [_ms(x, 100, 60_000) for x in (0.01, 1.5, 1e9, float("inf"))] == [
+        100, 1500, 60_000, 60_000,
+    ]  # fmt: skip

@@ -7,6 +7,7 @@ Every master here is a real process serving on a loopback port, with its workers
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import signal
@@ -373,6 +374,9 @@ async def test_connecting_where_nothing_listens_fails_within_the_timeout() -> No
         Pipeline.connect(endpoint, keys="no/such/keys")
     with pytest.raises(ConfigError, match="timeout"):
         Pipeline.connect(endpoint, timeout=0)
+    # An infinite timeout hung the connect for good (a socket left open held the close).
+    with pytest.raises(ConfigError, match="positive, finite number of seconds, not inf"):
+        Pipeline.connect(endpoint, timeout=math.inf)
 
 
 async def test_a_batch_run_refuses_clients_and_a_starting_master_waits(
