@@ -73,9 +73,15 @@ async def test_stage_exception_fails_only_that_request(chain: Pipeline) -> None:
         ("sys.exit", "SystemExit: 3", 4),  # from process_batch
     ],
     ids=[
-        "exit", "interrupt", "no message", "huge message", "gap", "unavailable", "no id",
+        "exit",
+        "interrupt",
+        "no message",
+        "huge message",
+        "gap",
+        "unavailable",
+        "no id",
         "batch exit",
-    ],  # fmt: skip
+    ],
 )
 async def test_whatever_a_handler_raises_fails_that_request_alone(
     value: str, said: str, batch: int
