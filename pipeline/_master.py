@@ -39,6 +39,7 @@ from pipeline._logging import count_dropped
 from pipeline._messages import (
     CLOSING,
     MAX_CONTROL_MESSAGE,
+    STATS_WAIT_S,
     Abort,
     Admit,
     Assignment,
@@ -773,7 +774,7 @@ class Master:
             if not ((s, k) in self.replicas and self.replicas[(s, k)].ready)
         )
 
-    async def collect_statistics(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+    async def collect_statistics(self, timeout: float = STATS_WAIT_S) -> list[dict[str, Any]]:
         """Ask every live replica for its statistics; those answering within ``timeout``.
 
         Raises:

@@ -258,6 +258,8 @@ ENVELOPE_BYTES = 64 * 1024
 BUFFER_HEADER_BYTES = 5
 #: Largest control message a socket accepts, in bytes.
 MAX_CONTROL_MESSAGE = 64 * 1024 * 1024
+#: How long a master waits for its replicas' statistics; those silent are named unanswered.
+STATS_WAIT_S = 5.0
 
 
 def check_client_payload(encoded: Encoded, what: str) -> None:

@@ -65,6 +65,7 @@ from pipeline._errors import (
 from pipeline._lifecycle import LoopBound
 from pipeline._logging import configure_logging
 from pipeline._messages import (
+    STATS_WAIT_S,
     WIRE_CODEC,
     Alive,
     Cancel,
@@ -116,6 +117,10 @@ def _codec(path: str, missing: dict[str, str]) -> tuple[Any, PayloadCodec[Any]]:
     except PayloadError as exc:
         missing[path] = str(exc)
         return Any, codec_for(Any)
+
+
+class _AskAgain(Exception):
+    """The connection dropped while a question waited for its answer."""
 
 
 class RemotePipeline(LoopBound):
@@ -189,6 +194,8 @@ class RemotePipeline(LoopBound):
         self._pinged = 0.0
         #: The connection dropped and no Welcome has come since: new requests wait for one.
         self._rejoining = False
+        #: Set while a master has welcomed the client (cleared while it rejoins).
+        self._welcomed_now = asyncio.Event()
         self._closed = False
         self.counts = dict.fromkeys(
             ("submitted", "completed", "failed", "aborted", "garbage", "restarts"), 0
@@ -300,6 +307,7 @@ class RemotePipeline(LoopBound):
         the client."""
         previous, self._welcome = self._welcome, welcome
         self._rejoining = False
+        self._welcomed_now.set()
         if previous is None or previous.instance != welcome.instance:
             if previous is not None:
                 self.counts["restarts"] += 1
@@ -374,6 +382,12 @@ class RemotePipeline(LoopBound):
         watchdog says Hello once ZMQ has connected again.
         """
         self._rejoining = True
+        self._welcomed_now.clear()
+        # A statistics question in flight went with the connection: asked again once
+        # a master welcomes the client.
+        for asked in self._stats_asked.values():
+            if not asked.done():
+                asked.set_exception(_AskAgain())
         self._fail_in_flight(
             "the connection dropped while the request was in flight (the master stopped, "
             "restarted or became unreachable); submit it again once it serves"
@@ -576,21 +590,32 @@ class RemotePipeline(LoopBound):
                 could not be sent.
             RuntimeError: the client is not connected, or runs on another event loop.
         """
-        welcome = self._welcomed()
+        self._welcomed()
         self._check_here()
-        token = next(self._stats_tokens)
-        answer = asyncio.get_running_loop().create_future()
-        self._stats_asked[token] = answer
+        loop = asyncio.get_running_loop()
+        # The master waits up to STATS_WAIT_S for its replicas' figures (a replica whose
+        # loop a handler holds does not answer), then answers with what it has.
+        wait = self.timeout + STATS_WAIT_S
         try:
-            self._send(StatsAsk(token))
-            async with asyncio.timeout(self.timeout):
-                master = await answer
+            async with asyncio.timeout(wait):
+                while True:
+                    # Asked while the connection is down, the question would be lost with
+                    # it, or reach a master still starting: it waits for a Welcome.
+                    await self._welcomed_now.wait()
+                    token = next(self._stats_tokens)
+                    answer: asyncio.Future[dict[str, Any]] = loop.create_future()
+                    self._stats_asked[token] = answer
+                    try:
+                        self._send(StatsAsk(token))
+                        master = await answer
+                        break
+                    except _AskAgain:
+                        continue
+                    finally:
+                        self._stats_asked.pop(token, None)
         except TimeoutError:
-            raise MasterUnavailable(
-                self.endpoint, f"no statistics within {self.timeout:g}s"
-            ) from None
-        finally:
-            self._stats_asked.pop(token, None)
+            raise MasterUnavailable(self.endpoint, f"no statistics within {wait:g}s") from None
+        welcome = self._welcomed()
         return {
             "endpoint": self.endpoint,
             "pipeline": welcome.pipeline,

@@ -516,13 +516,46 @@ async def test_a_master_that_freezes_dies_or_restarts_fails_requests_in_flight(
                 p.wait()
 
             await _serve(config, tmp_path, procs, endpoint=endpoint)
+            # Asked before the master that came back has welcomed the client, statistics
+            # wait for it, as a request does (the question was lost with the connection,
+            # and the call failed after its whole timeout); the client has learnt by then
+            # that the master is a new one.
+            stats = await pipe.statistics()
+            assert stats["client"]["restarts"] == 1 and stats["master"]["replicas"], stats
             assert await pipe.submit(Text("born again")) == Token(1, "again")
+    finally:
+        kill_all(procs)
 
-            # The client greets the master that came back, and learns it is a new one.
-            async def greeted() -> bool:
-                return bool((await pipe.statistics())["client"]["restarts"])
 
-            await wait_for(greeted, timeout=10)
+async def test_statistics_come_while_a_replica_holds_its_loop(tmp_path: Path) -> None:
+    """The master waits a few seconds for a replica's figures before it answers without
+    them; a client whose timeout was shorter gave up first (MasterUnavailable, though the
+    master was there all along). It now waits for the master's answer, which names the
+    silent replica."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    config = tmp_path / "holds.yaml"
+    config.write_text(
+        "name: holds\n"
+        "defaults: {heartbeat_interval: 200ms, heartbeat_timeout: 1s}\n"
+        "stages:\n"
+        '  tokens: {impl: "tests.pipeline.sample_stages:Tokens"}\n'
+        '  holds: {impl: "tests.pipeline.sample_stages:HoldsLoop"}\n'
+        "edges: [{from: tokens, to: holds}]\n"
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        endpoint = await _serve(config, tmp_path, procs, env={"LINGER_FIFO": str(fifo)})
+        async with Pipeline.connect(endpoint, timeout=1.0) as pipe:
+            held = asyncio.ensure_future(pipe.submit(Text("a b")))
+            # The master hears that the replica's loop is held.
+            log = tmp_path / "master-0.err"
+            await wait_for(lambda: "replica_stalled" in log.read_text(), timeout=30)
+            stats = await pipe.statistics()
+            assert stats["master"]["unanswered"] == ["holds[0]"], stats["master"]
+            with fifo.open("w") as f:
+                f.write("go\n")
+            assert (await held).value == "a b"
     finally:
         kill_all(procs)
 
