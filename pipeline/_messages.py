@@ -260,6 +260,10 @@ BUFFER_HEADER_BYTES = 5
 MAX_CONTROL_MESSAGE = 64 * 1024 * 1024
 #: How long a master waits for its replicas' statistics; those silent are named unanswered.
 STATS_WAIT_S = 5.0
+#: Payload bytes of one request's outputs a master sends a remote client ahead of what it
+#: knows the client has read (at least one output goes, however large); the client grants
+#: more once it has read half of that, or half its window of outputs.
+REMOTE_WINDOW_BYTES = 64 * 1024 * 1024
 
 
 def check_client_payload(encoded: Encoded, what: str) -> None:

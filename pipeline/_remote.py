@@ -65,6 +65,7 @@ from pipeline._errors import (
 from pipeline._lifecycle import LoopBound
 from pipeline._logging import configure_logging
 from pipeline._messages import (
+    REMOTE_WINDOW_BYTES,
     STATS_WAIT_S,
     WIRE_CODEC,
     Alive,
@@ -99,7 +100,8 @@ HELLO_INTERVAL_S = 0.25
 PING_AFTER_S = 2.0
 #: Outputs of one request the master may send ahead of what the client has read: the
 #: client grants more as it reads (half a window at a time), so a slow reader holds the
-#: request at the master and nothing piles up on either side.
+#: request at the master and nothing piles up on either side. Bytes are bounded too
+#: (:data:`REMOTE_WINDOW_BYTES`).
 REMOTE_WINDOW = 64
 #: How long closing waits for its ``Cancel`` messages to leave.
 CANCEL_LINGER_MS = 500
@@ -489,11 +491,18 @@ class RemotePipeline(LoopBound):
         timeout = self._welcome.request_timeout if self._welcome else 0.0
         call.deadline = now + timeout + self.timeout if timeout > 0 else None
 
-    def _read_one(self, call: Call) -> None:
-        """The reader took one output of ``call``: grant more once half a window is read."""
+    def _read_one(self, call: Call, nbytes: int) -> None:
+        """The reader took one output of ``call`` (of ``nbytes``): grant more once half a
+        window of outputs, or of bytes, is read (the master holds back outputs past
+        :data:`REMOTE_WINDOW_BYTES` unread, which it learns of from grants)."""
         call.read += 1
-        if call.granted - call.read <= REMOTE_WINDOW // 2 and self._calls.get(call.token) is call:
+        call.read_bytes += nbytes
+        half = call.granted - call.read <= REMOTE_WINDOW // 2
+        if (half or call.read_bytes >= REMOTE_WINDOW_BYTES // 2) and self._calls.get(
+            call.token
+        ) is call:
             call.granted = call.read + REMOTE_WINDOW
+            call.read_bytes = 0
             self._send(Grant(call.token, call.granted))
 
     def _decode_output(self, msg: Output) -> Any:

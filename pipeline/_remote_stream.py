@@ -55,6 +55,11 @@ def error_of(fin: Finished, endpoint: str) -> PipelineError:
     return PipelineError(f"{fin.kind}: {fin.error}")
 
 
+def output_size(msg: Output) -> int:
+    """The payload bytes of one output message, as both ends of the link count them."""
+    return len(msg.value) + sum(len(b) for b in msg.buffers)
+
+
 @dataclass(slots=True, eq=False)
 class Call:
     """One request in flight: the master's answers, waiting to be read in order."""
@@ -74,6 +79,8 @@ class Call:
     #: Outputs read by the client so far, and how many the master may send in all.
     read: int = 0
     granted: int = 0
+    #: Payload bytes read since the last grant.
+    read_bytes: int = 0
 
 
 class RemoteResponseStream:
@@ -176,7 +183,7 @@ class RemoteResponseStream:
                 if isinstance(item, Started):
                     continue
                 if isinstance(item, Output):
-                    self._pipe._read_one(call)
+                    self._pipe._read_one(call, output_size(item))
                     return self._pipe._decode_output(item)
                 self._ended = True
                 if isinstance(item, PipelineError):

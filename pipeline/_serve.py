@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import deque
 from typing import Any, cast
 
 import structlog
@@ -38,6 +39,7 @@ from pipeline._errors import (
 )
 from pipeline._keys import CLIENT
 from pipeline._messages import (
+    REMOTE_WINDOW_BYTES,
     WIRE_CODEC,
     Alive,
     Cancel,
@@ -53,6 +55,7 @@ from pipeline._messages import (
     Welcome,
     check_client_payload,
 )
+from pipeline._remote_stream import output_size
 from pipeline._type_paths import type_path
 
 __all__ = ("CLIENT_CHECK_S", "ClientServer")
@@ -61,6 +64,35 @@ __all__ = ("CLIENT_CHECK_S", "ClientServer")
 CLIENT_CHECK_S = 2.0
 
 log = structlog.get_logger("stagewire.serve")
+
+
+class _Sent:
+    """The sizes of one request's outputs sent to its client and perhaps not yet read.
+
+    A grant of ``allowed`` means the client had read at least ``allowed - window`` (it
+    grants a window past what it read)."""
+
+    __slots__ = ("acked", "bytes", "sizes", "window")
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.sizes: deque[int] = deque()
+        #: Outputs known read (those before ``sizes``), and the bytes of ``sizes``.
+        self.acked = 0
+        self.bytes = 0
+
+    def sent(self, nbytes: int) -> None:
+        self.sizes.append(nbytes)
+        self.bytes += nbytes
+
+    def full(self, allowed: int) -> bool:
+        """Whether the bytes out, past what the client has read, fill the byte window
+        (one output always goes)."""
+        read = allowed - self.window
+        while self.acked < read and self.sizes:
+            self.bytes -= self.sizes.popleft()
+            self.acked += 1
+        return bool(self.sizes) and self.bytes >= REMOTE_WINDOW_BYTES
 
 
 class ClientServer:
@@ -107,6 +139,8 @@ class ClientServer:
         self._gone: set[tuple[bytes, int]] = set()
         #: Outputs each flow-controlled request may send in all, as its client granted.
         self._allowed: dict[tuple[bytes, int], int] = {}
+        #: The sizes of each windowed request's outputs the client may not have read.
+        self._windows: dict[tuple[bytes, int], _Sent] = {}
         #: Set when a client grants more; cleared by the request that waits on it.
         self._more: dict[tuple[bytes, int], asyncio.Event] = {}
         self._checker: asyncio.Task[None] | None = None
@@ -167,6 +201,7 @@ class ClientServer:
             return  # a resend of a request already running
         if msg.window > 0:
             self._allowed[key] = msg.window
+            self._windows[key] = _Sent(msg.window)
             self._more[key] = asyncio.Event()
         task = asyncio.get_running_loop().create_task(self._serve(identity, msg))
         self._tasks[key] = task
@@ -175,6 +210,7 @@ class ClientServer:
     def _forget(self, key: tuple[bytes, int]) -> None:
         self._tasks.pop(key, None)
         self._allowed.pop(key, None)
+        self._windows.pop(key, None)
         self._more.pop(key, None)
         self._gone.discard(key)
         self._by_client.discard(key)
@@ -215,9 +251,16 @@ class ClientServer:
         self._master.send_client(identity, StatsAnswer(msg.token, stats))
 
     async def _credit(self, key: tuple[bytes, int], sent: int) -> None:
-        """Wait until the request's client has granted more than ``sent`` outputs (at once
-        for a request without a window)."""
-        while sent >= self._allowed.get(key, sent + 1):
+        """Wait until the request's client has granted more than ``sent`` outputs, and, of
+        those it may not have read yet, fewer than :data:`REMOTE_WINDOW_BYTES` bytes are
+        out (at once for a request without a window)."""
+        while True:
+            allowed = self._allowed.get(key)
+            if allowed is None:
+                return
+            window = self._windows[key]
+            if sent < allowed and not window.full(allowed):
+                return
             more = self._more[key]
             more.clear()
             await more.wait()
@@ -242,9 +285,13 @@ class ClientServer:
                     # the pipeline's own windows, its stages: nothing piles up for it.
                     await self._credit(key, sent)
                     if isinstance(chunk, SinkOutput):
-                        send(identity, self._output(msg.token, chunk.stage, chunk.value))
+                        output = self._output(msg.token, chunk.stage, chunk.value)
                     else:
-                        send(identity, self._output(msg.token, self._sinks[0], chunk))
+                        output = self._output(msg.token, self._sinks[0], chunk)
+                    window = self._windows.get(key)
+                    if window is not None:
+                        window.sent(output_size(output))
+                    send(identity, output)
                     sent += 1
         except asyncio.CancelledError:
             if (identity, msg.token) in self._gone:

@@ -38,7 +38,14 @@ from pipeline import (
     StageUnavailable,
 )
 from pipeline._codec import codec_for
-from pipeline._messages import WIRE_CODEC, ControlToClient, Finished, Submit, encode_message
+from pipeline._messages import (
+    REMOTE_WINDOW_BYTES,
+    WIRE_CODEC,
+    ControlToClient,
+    Finished,
+    Submit,
+    encode_message,
+)
 from pipeline._remote import REMOTE_WINDOW
 from stages.text import Text, Token
 from tests.pipeline.conftest import grid_module, wait_for, workers_announced
@@ -225,6 +232,40 @@ async def test_a_slow_reader_holds_its_request_at_the_master(remote: RemotePipel
     relayed = [c.value for c in [first, *rest] if c.stage == "relay"]
     assert relayed == [Token(k, w) for k, w in enumerate(words)]
     assert [c.value for c in [first, *rest] if c.stage == "count"] == [Text(str(n))]
+
+
+async def test_a_slow_reader_of_large_outputs_holds_a_bounded_number_of_bytes(
+    tmp_path: Path,
+) -> None:
+    """The window counted outputs only: of 3 MiB outputs a client that stopped reading was
+    sent a whole window (64, 192 MiB) per request. At most REMOTE_WINDOW_BYTES of them are
+    out now, and every output still comes, in order."""
+    config = tmp_path / "flood.yaml"
+    config.write_text(
+        "name: flood\n"
+        "stages:\n"
+        '  flood: {impl: "tests.pipeline.sample_stages:Flood", '
+        "params: {count: 40, size: 3145728}}\n"
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        endpoint = await _serve(config, tmp_path, procs)
+        async with Pipeline.connect(endpoint) as pipe, pipe.stream(Text("go")) as stream:
+            first = await anext(stream)
+            call = stream._call
+            assert call is not None
+            most = REMOTE_WINDOW_BYTES // (3 * 2**20) + 1  # the last one may pass the bound
+            await wait_for(lambda: call.queue.qsize() >= most - 1)
+
+            async def grows() -> bool:
+                return call.queue.qsize() > most
+
+            with pytest.raises(TimeoutError):
+                await wait_for(grows, timeout=1.0)
+            rest = [chunk async for chunk in stream]
+        assert [b.seq for b in [first, *rest]] == list(range(40))
+    finally:
+        kill_all(procs)
 
 
 async def test_fifty_concurrent_requests_over_one_connection_get_their_own_outputs(
