@@ -146,6 +146,8 @@ class ClientServer:
         self._checker: asyncio.Task[None] | None = None
         #: Statistics being gathered for clients (from every replica: a moment).
         self._asked: set[asyncio.Task[None]] = set()
+        #: Requests whose task has begun to run (one cancelled before cannot count itself).
+        self._entered: set[tuple[bytes, int]] = set()
         self.served = 0
         self.failed = 0
         self.cancelled = 0
@@ -195,6 +197,10 @@ class ClientServer:
             task = self._tasks.get(key)
             if task is not None:
                 self._by_client.add(key)
+                if key not in self._entered:
+                    # Cancelled before its first step (the Cancel came in the same read as
+                    # its Submit): _serve never runs to count it.
+                    self.cancelled += 1
                 task.cancel()
             return
         if key in self._tasks:
@@ -214,6 +220,7 @@ class ClientServer:
         self._more.pop(key, None)
         self._gone.discard(key)
         self._by_client.discard(key)
+        self._entered.discard(key)
 
     def _input(self, msg: Submit) -> Any:
         """The request's input, decoded as the source stage's type.
@@ -267,6 +274,7 @@ class ClientServer:
 
     async def _serve(self, identity: bytes, msg: Submit) -> None:
         key = (identity, msg.token)
+        self._entered.add(key)
         request_id = ""
 
         def send(identity: bytes, answer: Output | Started | Finished) -> None:

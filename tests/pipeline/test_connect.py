@@ -41,6 +41,7 @@ from pipeline._codec import codec_for
 from pipeline._messages import (
     REMOTE_WINDOW_BYTES,
     WIRE_CODEC,
+    Cancel,
     ControlToClient,
     Finished,
     Submit,
@@ -384,12 +385,24 @@ async def test_every_way_of_leaving_a_request_cancels_it_at_the_master(tmp_path:
             assert await anext(left_open) == Token(0, "e")
         with pytest.raises(RequestAborted, match="the client closed"):
             await anext(left_open)
+        # A Cancel the master reads with its Submit, before the request's task has run a
+        # step, is counted too (it was not: the task's own count never ran).
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            sock.connect(endpoint)
+            enc = codec_for(Any).encode(Text("f stall"))
+            await sock.send(encode_message(Submit(1, enc.header, WIRE_CODEC)))
+            await sock.send(encode_message(Cancel(1)))
+        finally:
+            sock.close(linger=1000)
+            ctx.term()
         # The master serves on (its worker too), and counts what its clients cancelled.
         async with Pipeline.connect(endpoint) as pipe:
             assert await pipe.submit(Text("still here")) == Token(1, "here")
         summary = await _summary(procs[0], tmp_path / "master-0.err")
         assert summary.startswith(
-            "took 6 requests: 1 completed, 0 failed, 5 cancelled by their clients, 0 whose "
+            "took 7 requests: 1 completed, 0 failed, 6 cancelled by their clients, 0 whose "
             "clients went away"
         ), summary
     finally:
