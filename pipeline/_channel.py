@@ -500,6 +500,11 @@ class OutputChannel:
         self._queued_putting = 0
         #: Windows whose send waits for the queued share to drop.
         self._queued_waiting: set[_Window] = set()
+        #: The consumer replica (its endpoint) of each request with payloads counted as
+        #: queued in the shared transport; pruned as the transport stops counting them.
+        self._queued_readers: dict[str, str] = {}
+        #: The same for the queued requests' puts under way (not yet counted there).
+        self._putting_for: dict[ChunkKey, str] = {}
 
     def _window(self, request_id: str, reader: str) -> _Window:
         win = self._windows.get(request_id)
@@ -677,15 +682,18 @@ class OutputChannel:
             return False
         if not first:
             return True
+        # Its requests queued at that replica: their windows may be gone (a producer
+        # forgets a request once its handler ends), their payloads still queued there.
+        shared = self._shared
+        assert shared is not None
+        queued = getattr(shared, "queued_requests", None)
+        if queued is None:
+            return True  # a transport that cannot say whose payloads are queued
+        readers = self._queued_readers
+        for request_id in [r for r in readers if r not in queued()]:
+            del readers[request_id]
         reader = win.reader
-        return any(
-            other is not win
-            and other.reader == reader
-            and other.next_seq
-            and not other.reading
-            and not other.done
-            for other in self._windows.values()
-        )
+        return reader in readers.values() or reader in self._putting_for.values()
 
     async def _wait_queued(self, win: _Window, first: bool = False) -> bool:
         """Wait until the request of ``win`` is being read, or queued requests hold less
@@ -729,12 +737,16 @@ class OutputChannel:
         key = ChunkKey(request_id, self.plan.name, seq)
         nbytes = encoded.nbytes
         self._queued_putting += nbytes
+        putting = self._putting_for[key] = win.reader
         try:
             descriptor = await shared.put(key, encoded, timeout=self._transports.full_timeout)
         finally:
             self._queued_putting -= nbytes
+            if self._putting_for.get(key) == putting:
+                del self._putting_for[key]
         if not win.reading:
             shared.hold_queued(descriptor, request_id)
+            self._queued_readers[request_id] = win.reader
         return descriptor
 
     def _now_reading(self, request_id: str, win: _Window | None) -> None:
@@ -742,6 +754,7 @@ class OutputChannel:
         and sends waiting for that share look again."""
         if win is not None:
             win.reading = True
+        self._queued_readers.pop(request_id, None)
         shared = self._shared
         if shared is not None and shared.now_reading(request_id):
             for other in list(self._queued_waiting):

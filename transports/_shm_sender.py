@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 import warnings
+from collections.abc import Collection
 
 from pipeline._encoded import Encoded, to_host
 from pipeline._errors import TransportError, TransportFull
@@ -292,6 +293,10 @@ class ShmSender(AsyncResource):
         if self._queued_bytes:
             self._reclaim()
         return self._queued_bytes
+
+    def queued_requests(self) -> Collection[str]:
+        """The requests whose extents count as queued (as of the last :meth:`queued_bytes`)."""
+        return self._queued.keys()
 
     def _unqueue(self, slot: int) -> None:
         """Stop counting a reclaimed extent as held for a queued request."""

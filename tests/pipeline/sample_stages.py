@@ -339,6 +339,16 @@ class Flood(Stage):
             yield Blob(i, data)
 
 
+class FloodN(Flood):
+    """Streams int(text) blobs of ``size`` bytes."""
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Blob]:
+        assert isinstance(self.params, Flood.Params)
+        data = os.urandom(self.params.size)
+        for i in range(int(text.value)):
+            yield Blob(i, data)
+
+
 class Drain(Stage):
     """Consumes blobs slowly and reports how many came, in order."""
 

@@ -166,6 +166,39 @@ async def test_the_first_chunks_of_many_queued_requests_leave_room_for_the_runni
         await wait_for(lambda: _arena_empty(pipe))
 
 
+async def test_queued_requests_whose_producer_is_done_with_them_still_hold_back_first_chunks() -> (
+    None
+):
+    """A producer forgets a request once its handler ends: a queued request of one chunk
+    left no window behind, though its payload still held the queued share. The next first
+    chunk for that consumer replica found no queued request ahead and went, and queued
+    first chunks filled the arena under the running stream (TransportFull)."""
+    s = spec(
+        {
+            "flood": {
+                "impl": ":FloodN", "params": {"size": 1024 * 1024}, "max_concurrency": 32,
+            },
+            "drain": {"impl": ":Drain", "params": {"delay": 0.05}, "max_concurrency": 1},
+        },
+        [("flood", "drain")],
+        transport={"kind": "shm", "options": {"capacity": "8MiB"}, "full_timeout": 3},
+    )  # fmt: skip
+    async with Pipeline(s) as pipe:
+        long = asyncio.ensure_future(pipe.submit(Text("60")))
+
+        async def running() -> bool:
+            stats = await pipe.statistics()
+            return any(r["started"] for r in stats["replicas"] if r["stage"] == "drain")
+
+        await wait_for(running)
+        singles = [asyncio.ensure_future(pipe.submit(Text("1"))) for _ in range(12)]
+        results = await asyncio.gather(long, *singles, return_exceptions=True)
+        assert results == [Text("60"), *[Text("1")] * 12], results
+        stats = await pipe.statistics()
+        (out,) = next(r for r in stats["replicas"] if r["stage"] == "flood")["outputs"]
+        assert out["fallbacks"] == 0 and out["queued_waits"] > 0, out
+
+
 async def test_a_request_for_an_idle_replica_does_not_wait_behind_another_replicas_queue(
     tmp_path: Path,
 ) -> None:
