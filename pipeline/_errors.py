@@ -248,6 +248,11 @@ def message_of(exc: BaseException) -> str:
         text = str(exc)
     except Exception as e:
         return f"<the message of this {type(exc).__name__} could not be made: {e!r}>"
+    return bounded(text)
+
+
+def bounded(text: str) -> str:
+    """``text``'s first :data:`MESSAGE_CHARS` characters, saying how many more it had."""
     if len(text) > MESSAGE_CHARS:
         text = f"{text[:MESSAGE_CHARS]}... ({len(text) - MESSAGE_CHARS} more characters)"
     return text
@@ -261,16 +266,16 @@ def error_to_failure(exc: BaseException, *, stage: str, request_id: str) -> Fail
     """
     if isinstance(exc, ChunkGap) and exc.request_id == request_id:
         return FailureInfo(
-            "chunk_gap", str(exc), exc.request_id, stage, exc.edge, exc.seq, exc.timeout
+            "chunk_gap", bounded(str(exc)), exc.request_id, stage, exc.edge, exc.seq, exc.timeout
         )
+    # Every message is bounded: a handler may raise any of these with a text of its own.
     if isinstance(exc, PayloadError):
-        return FailureInfo(
-            "payload", f"stage {stage!r}: {exc.message}", request_id, stage, field=exc.field or ""
-        )
+        message = bounded(f"stage {stage!r}: {exc.message}")
+        return FailureInfo("payload", message, request_id, stage, field=exc.field or "")
     if isinstance(exc, TransportError):
-        return FailureInfo("transport", f"stage {stage!r}: {exc}", request_id, stage)
+        return FailureInfo("transport", bounded(f"stage {stage!r}: {exc}"), request_id, stage)
     if isinstance(exc, StageUnavailable) and exc.request_id == request_id:
-        return FailureInfo("unavailable", exc.message, request_id, exc.stage)
+        return FailureInfo("unavailable", bounded(exc.message), request_id, exc.stage)
     text = message_of(exc)
     message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     return FailureInfo("stage", message, request_id, stage, traceback=format_traceback(exc))

@@ -125,6 +125,10 @@ class _AskAgain(Exception):
     """The connection dropped while a question waited for its answer."""
 
 
+class _Closed(Exception):
+    """The client closed while a question waited for its answer."""
+
+
 class RemotePipeline(LoopBound):
     """A client of a pipeline served by a remote master (``stagewire master``).
 
@@ -159,13 +163,17 @@ class RemotePipeline(LoopBound):
                 (or ``STAGEWIRE_KEYS``) names no valid key pair, or ``device`` no device
                 this process can use.
         """
-        if not 0 < timeout < math.inf:
+        try:
+            seconds = float(timeout)
+        except (TypeError, ValueError, OverflowError):
+            seconds = math.nan
+        if not 0 < seconds < math.inf:
             # inf hung the connect: it is what a silent master is judged by, not a wait.
             raise ConfigError(
                 f"timeout must be a positive, finite number of seconds, not {timeout!r}"
             )
         self.endpoint = endpoint
-        self.timeout = float(timeout)
+        self.timeout = seconds
         self.device = None if device is None else resolve_device(device)
         self._keys = resolve_keys(keys)
         self._link = MasterLink(
@@ -595,9 +603,10 @@ class RemotePipeline(LoopBound):
         replica's counters.
 
         Raises:
-            MasterUnavailable: the master did not answer within ``timeout``, or the question
-                could not be sent.
-            RuntimeError: the client is not connected, or runs on another event loop.
+            MasterUnavailable: the master did not answer within ``timeout`` (plus what the
+                master waits for its replicas), or the question could not be sent.
+            RuntimeError: the client is not connected, runs on another event loop, or was
+                closed while it waited.
         """
         self._welcomed()
         self._check_here()
@@ -611,6 +620,8 @@ class RemotePipeline(LoopBound):
                     # Asked while the connection is down, the question would be lost with
                     # it, or reach a master still starting: it waits for a Welcome.
                     await self._welcomed_now.wait()
+                    if self._closed:
+                        raise _Closed
                     token = next(self._stats_tokens)
                     answer: asyncio.Future[dict[str, Any]] = loop.create_future()
                     self._stats_asked[token] = answer
@@ -624,6 +635,10 @@ class RemotePipeline(LoopBound):
                         self._stats_asked.pop(token, None)
         except TimeoutError:
             raise MasterUnavailable(self.endpoint, f"no statistics within {wait:g}s") from None
+        except _Closed:
+            raise RuntimeError(
+                "the remote pipeline was closed while it waited for statistics"
+            ) from None
         welcome = self._welcomed()
         return {
             "endpoint": self.endpoint,
@@ -718,6 +733,11 @@ class RemotePipeline(LoopBound):
                 outcome="aborted",
             )
         self._closed = True
+        # A statistics() waiting for its answer, or for a master's Welcome, ends now.
+        for asked in self._stats_asked.values():
+            if not asked.done():
+                asked.set_exception(_Closed())
+        self._welcomed_now.set()
         # Everything that frees a resource happens before the first await, so that closing
         # cancelled midway still leaves no socket open.
         if self._watchdog is not None:

@@ -52,7 +52,10 @@ class Watchdog:
         #: When the first stop signal came (0: none yet). A plain attribute: a signal
         #: handler sets it without a lock.
         self._armed_at = 0.0
-        self._done = threading.Event()
+        #: The exit code to end with: the worker's own once it is exiting.
+        self._code = EXIT_STOP_OVERDUE
+        self._exiting = False
+        self._idle = threading.Event()  # never set: what the thread waits on between looks
         self._thread = threading.Thread(target=self._watch, name="stagewire-watchdog", daemon=True)
 
     def start(self) -> None:
@@ -64,22 +67,25 @@ class Watchdog:
         if not self._armed_at:
             self._armed_at = time.monotonic()
 
-    def disarm(self) -> None:
-        """The worker ended in order (or is about to): never fire."""
-        self._done.set()
+    def exiting(self, code: int) -> None:
+        """The worker is done and its process exits (with ``code``): bound that too. The
+        loop's close joins its default executor's threads, and the interpreter its own; a
+        handler's thread that never returns would hold either for ever. Its loop no longer
+        ticks, so this ends the process a grace after the loop's last tick."""
+        self._code = code
+        self._exiting = True
+        self.arm()
 
     def _watch(self) -> None:
         poll = min(0.25, self._grace / 4)
-        while not self._done.wait(poll):
+        while not self._idle.wait(poll):
             armed = self._armed_at
             if not armed:
                 continue
             now = time.monotonic()
             held = now - max(armed, self._loop_seen()) > self._grace
             if held or now - armed > STOP_LIMIT_GRACES * self._grace:
-                if not self._done.is_set():
-                    self._fire(held)
-                return
+                self._fire(held)
 
     def _fire(self, held: bool) -> None:
         log.error(
@@ -88,7 +94,9 @@ class Watchdog:
             replica=self._replica,
             grace=self._grace,
             reason=(
-                "a handler holds the event loop"
+                "its exit waits on a thread that does not end (a handler's, in an executor)"
+                if self._exiting
+                else "a handler holds the event loop"
                 if held
                 else f"the stop took over {STOP_LIMIT_GRACES * self._grace:g}s"
             )
@@ -96,7 +104,7 @@ class Watchdog:
         )
         remove_own_leftovers()
         sys.stderr.flush()
-        os._exit(EXIT_STOP_OVERDUE)
+        os._exit(self._code)
 
 
 def remove_own_leftovers() -> None:

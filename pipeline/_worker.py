@@ -37,7 +37,13 @@ from pipeline._actor import StageActor
 from pipeline._config import PipelineSpec
 from pipeline._devices import check_device, visible_devices
 from pipeline._encoded import DECODE_ERRORS
-from pipeline._errors import ConfigError, FailureInfo, TransportError, format_traceback
+from pipeline._errors import (
+    ConfigError,
+    FailureInfo,
+    TransportError,
+    format_traceback,
+    message_of,
+)
 from pipeline._host import (
     address_toward,
     host_identity,
@@ -91,7 +97,7 @@ from pipeline._sockets import (
     new_context,
 )
 from pipeline._stage import Stage
-from pipeline._watchdog import Watchdog
+from pipeline._watchdog import EXIT_STOP_OVERDUE, Watchdog
 from transports._liveness import local_pid, pid_namespace
 from transports.inline import MAX_DATA_FRAME
 
@@ -635,7 +641,7 @@ class _Worker:
 
     def _setup_failed(self, exc: Exception) -> int:
         """Tell the master why this replica cannot serve; the exit code that says so."""
-        message = f"{type(exc).__name__}: {exc}"
+        message = f"{type(exc).__name__}: {message_of(exc)}"
         trace = format_traceback(exc)
         if self.debug:
             log.error("stage_setup_failed", stage=self.stage, error=message, traceback=trace)
@@ -705,8 +711,10 @@ async def run_worker(
     worker = _Worker(
         master, stage, replica, bind_host or address_toward(master), debug=debug, launched=launched
     )
+    code = EXIT_STOP_OVERDUE
     try:
-        return await worker.serve(connect_timeout)
+        code = await worker.serve(connect_timeout)
+        return code
     finally:
         for sig in worker.handled:
             default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
@@ -714,7 +722,8 @@ async def run_worker(
         worker.stop_ticking()
         worker.close()
         if worker.watchdog is not None:
-            worker.watchdog.disarm()
+            # What is left of the exit is bounded too (see Watchdog.exiting).
+            worker.watchdog.exiting(code)
 
 
 def parser() -> argparse.ArgumentParser:

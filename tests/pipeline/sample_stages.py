@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from pipeline import (
     Stage,
     StageUnavailable,
     Stream,
+    TransportError,
 )
 from stages.text import Text, Token
 
@@ -205,6 +207,8 @@ class Misbehaves(Stage):
             case "huge message":
                 # Past every control message's size cap, were it sent whole.
                 raise ValueError("x" * 70_000_000)
+            case "huge transport error":
+                raise TransportError("x" * 70_000_000)
             case "another pipeline's gap":
                 raise ChunkGap("a-request-of-another-pipeline", "x->y", 3, 1.0)
             case "another pipeline's stage":
@@ -592,6 +596,26 @@ class SlowTeardown(Echo):
     async def teardown(self) -> None:
         Path(os.environ["HOLD_MARK"]).touch()  # noqa: ASYNC240
         await _line_through_fifo()
+
+
+class HugeSetupError(Echo):
+    """An echo whose setup fails with a message past every control message's size cap."""
+
+    async def setup(self) -> None:
+        raise ValueError("x" * 70_000_000)
+
+
+class AwaitsAStuckThread(Stage):
+    """Awaits a thread that never returns (it waits on an event nobody sets), then touches
+    the file HOLD_MARK names; cancelled, the thread stays."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        never = threading.Event()
+        thread = asyncio.ensure_future(asyncio.to_thread(never.wait))
+        await asyncio.sleep(0)  # the thread is started
+        Path(os.environ["HOLD_MARK"]).touch()  # noqa: ASYNC240
+        await thread
+        return text
 
 
 class SpinsForever(Stage):

@@ -431,6 +431,8 @@ async def test_connecting_where_nothing_listens_fails_within_the_timeout() -> No
     # An infinite timeout hung the connect for good (a socket left open held the close).
     with pytest.raises(ConfigError, match="positive, finite number of seconds, not inf"):
         Pipeline.connect(endpoint, timeout=math.inf)
+    with pytest.raises(ConfigError, match="positive, finite number of seconds"):
+        Pipeline.connect(endpoint, timeout=10**400)  # past a float: it raised OverflowError
 
 
 async def test_a_batch_run_refuses_clients_and_a_starting_master_waits(
@@ -607,9 +609,18 @@ async def test_statistics_come_while_a_replica_holds_its_loop(tmp_path: Path) ->
             await wait_for(lambda: "replica_stalled" in log.read_text(), timeout=30)
             stats = await pipe.statistics()
             assert stats["master"]["unanswered"] == ["holds[0]"], stats["master"]
-            with fifo.open("w") as f:
-                f.write("go\n")
-            assert (await held).value == "a b"
+            # Closed while a second question waits on the master's wait, that question ends
+            # at once (it waited its whole time, then blamed the master).
+            asking = asyncio.ensure_future(pipe.statistics())
+            await asyncio.sleep(0)  # asked
+            async with asyncio.timeout(3):
+                await pipe.aclose()
+                with pytest.raises(RuntimeError, match="closed while it waited"):
+                    await asking
+            with pytest.raises(RequestAborted, match="the client closed"):
+                await held
+        with fifo.open("w") as f:
+            f.write("go\n")
     finally:
         kill_all(procs)
 

@@ -400,6 +400,40 @@ async def test_a_worker_stopping_slowly_with_its_loop_free_is_not_cut_short(
         kill_all(procs)
 
 
+async def test_a_worker_told_to_stop_while_a_thread_of_its_handler_is_stuck_exits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped by its master (no signal), a worker whose handler awaited a thread that
+    never returns stopped in order, then waited for ever at its exit, which joins the
+    loop's executor threads. Its watchdog bounds the exit too."""
+    mark = tmp_path / "waiting"
+    monkeypatch.setenv("HOLD_MARK", str(mark))
+    config = tmp_path / "stuck.yaml"
+    config.write_text(
+        "name: stuck\n"
+        "defaults: {heartbeat_interval: 100ms, heartbeat_timeout: 500ms}\n"
+        "stages:\n"
+        '  stuck: {impl: "tests.pipeline.sample_stages:AwaitsAStuckThread"}\n'
+    )
+    master, procs = await _serving(config, tmp_path)
+    worker = procs[1]
+    try:
+        stalled = _submitting(master, '{"value": "a"}')
+        procs.append(stalled)
+        await wait_for(mark.exists, timeout=30)
+        os.kill(procs[0].pid, signal.SIGTERM)
+        assert await asyncio.to_thread(procs[0].wait, 30) == 0
+        assert await asyncio.to_thread(worker.wait, 30) == 0
+        text = (tmp_path / "stuck.err").read_text()
+        assert "its exit waits on a thread that does not end" in text, text
+        assert await asyncio.to_thread(stalled.wait, 30) == 3  # told the master stopped
+    finally:
+        kill_all(procs)
+        for proc in procs:
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
 async def test_a_second_worker_is_refused_while_the_first_is_still_setting_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,10 +15,12 @@ from pipeline import (
     ChunkGap,
     PayloadError,
     Pipeline,
+    PipelineError,
     RequestAborted,
     RequestTimeout,
     ResponseStream,
     StageError,
+    TransportError,
 )
 from pipeline import _orchestrator as orchestrator_module
 from stages.text import Text, Token
@@ -108,6 +110,21 @@ async def test_whatever_a_handler_raises_fails_that_request_alone(
         ]
         assert await pipe.submit(Text("after")) == Text("after")
         assert pipe.worker_pids["n", 0] == pid  # served on, never restarted
+
+
+async def test_a_huge_message_of_any_kind_is_cut_and_its_request_fails_at_once() -> None:
+    """A TransportError a handler raises, or a setup's error, with a message of tens of MB:
+    the first hung its request (its report passed the control messages' size cap), the
+    second lost its reason (start-up said only that the worker exited)."""
+    async with Pipeline(spec({"n": ":Misbehaves"}, [])) as pipe:
+        with pytest.raises(TransportError, match=r"more characters\)$") as info:
+            await asyncio.wait_for(pipe.submit(Text("huge transport error")), 30)
+        assert len(str(info.value)) < 9000
+        assert await pipe.submit(Text("after")) == Text("after")
+    with pytest.raises(PipelineError, match=r"ValueError: xxxx.*more characters\)") as failed:
+        async with Pipeline(spec({"n": ":HugeSetupError"}, [])):
+            pass
+    assert len(str(failed.value)) < 9000
 
 
 async def test_a_stage_error_carries_the_handlers_traceback(chain: Pipeline) -> None:

@@ -774,6 +774,32 @@ async def test_kill_9_master_ends_a_worker_whose_handler_never_gives_the_loop_ba
         _stop(proc, workers)
 
 
+async def test_kill_9_master_ends_a_worker_whose_exit_waits_on_a_stuck_thread(
+    tmp_path: Path,
+) -> None:
+    """A worker whose handler awaits a thread that never returns stopped in order at its
+    parent's death, and then waited for ever at its exit, which joins the loop's executor
+    threads: the watchdog bounds the exit too."""
+    mark = tmp_path / "waiting"
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(
+        "defaults: {heartbeat_interval: 200ms, heartbeat_timeout: 1s}\n"
+        "stages:\n"
+        "  stuck: {impl: 'tests.pipeline.sample_stages:AwaitsAStuckThread',"
+        f" env: {{HOLD_MARK: '{mark}'}}}}\n"
+    )
+    proc = _stagewire(tmp_path, "run", str(cfg), "--input", '{"value": "x"}')
+    workers: list[int] = []
+    try:
+        await wait_for(mark.exists, timeout=60)
+        workers = children(proc.pid)  # the worker's, now that it serves
+        proc.kill()
+        proc.wait()
+        await _gone(workers, timeout=20)
+    finally:
+        _stop(proc, workers)
+
+
 async def test_closing_while_a_crashed_worker_is_respawned_leaves_no_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
