@@ -104,6 +104,8 @@ QUEUED_SHARE = 0.25
 #: How often a send held back by the queued share looks again: the share also drops when
 #: a consumer releases a queued payload unread (its request aborted), which wakes no one.
 QUEUED_RECHECK_S = 0.05
+#: Past this many requests noted as queued on an edge, those no longer queued are pruned.
+QUEUED_READERS_PRUNE = 1024
 
 
 @runtime_checkable
@@ -684,16 +686,23 @@ class OutputChannel:
             return True
         # Its requests queued at that replica: their windows may be gone (a producer
         # forgets a request once its handler ends), their payloads still queued there.
-        shared = self._shared
-        assert shared is not None
-        queued = getattr(shared, "queued_requests", None)
-        if queued is None:
+        if not self._prune_queued_readers():
             return True  # a transport that cannot say whose payloads are queued
-        readers = self._queued_readers
-        for request_id in [r for r in readers if r not in queued()]:
-            del readers[request_id]
         reader = win.reader
-        return reader in readers.values() or reader in self._putting_for.values()
+        return reader in self._queued_readers.values() or reader in self._putting_for.values()
+
+    def _prune_queued_readers(self) -> bool:
+        """Forget the readers of requests whose payloads no longer count as queued (read,
+        released, taken back); False when the shared transport cannot say which do."""
+        queued = getattr(self._shared, "queued_requests", None)
+        if queued is None:
+            return False
+        self._shared.queued_bytes()  # type: ignore[union-attr]  # takes back what was released
+        held = queued()
+        readers = self._queued_readers
+        for request_id in [r for r in readers if r not in held]:
+            del readers[request_id]
+        return True
 
     async def _wait_queued(self, win: _Window, first: bool = False) -> bool:
         """Wait until the request of ``win`` is being read, or queued requests hold less
@@ -747,6 +756,10 @@ class OutputChannel:
         if not win.reading:
             shared.hold_queued(descriptor, request_id)
             self._queued_readers[request_id] = win.reader
+            if len(self._queued_readers) > QUEUED_READERS_PRUNE:
+                # Requests aborted before their consumer began reading leave entries that
+                # only a full share would otherwise prune.
+                self._prune_queued_readers()
         return descriptor
 
     def _now_reading(self, request_id: str, win: _Window | None) -> None:

@@ -346,3 +346,27 @@ async def test_a_run_never_outgrows_a_data_message(monkeypatch: pytest.MonkeyPat
     await wire.produce([4000, 4000, 4000])
     assert [len(run.descriptors) for run in wire.runs] == [2, 2]  # the end joins the second
     assert await wire.consume() == 3
+
+
+async def test_requests_noted_as_queued_are_forgotten_once_released_unread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer notes whose consumer each queued payload in its shm arena waits for; the
+    notes of requests aborted before their consumer read them stayed until a full queued
+    share pruned them, however many there were."""
+    monkeypatch.setattr(channel_module, "QUEUED_READERS_PRUNE", 3)
+    wire = _Wire(_plan(window=8, window_bytes=1 << 20, transport="shm"))
+    try:
+        for i in range(10):
+            rid = f"r{i}"
+            wire.inflow = wire.inp.open(rid)
+            await wire.out.send(rid, wire.out.codec.encode(Blob(0, b"x" * 1000)), True, wire.target)
+            wire.deliver()
+            # Aborted at its consumer before it was read: its payload is released unread.
+            wire.inflow.end(RequestAborted(rid, "aborted"))
+            wire.out.forget(rid)
+            await wait_for(lambda: not wire.out.statistics()["transports"]["shm"]["held"])
+        assert len(wire.out._queued_readers) <= 4, wire.out._queued_readers
+    finally:
+        await wire.inp.aclose()
+        await wire.out.aclose()
