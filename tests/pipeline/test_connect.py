@@ -48,6 +48,7 @@ from pipeline._messages import (
     encode_message,
 )
 from pipeline._remote import REMOTE_WINDOW
+from pipeline._remote_stream import RemoteResponseStream
 from stages.text import Text, Token
 from tests.pipeline.conftest import grid_module, wait_for, workers_announced
 from tests.pipeline.tensor_stages import FACTORS, Frame
@@ -211,6 +212,20 @@ async def test_stream_yields_each_chunk_in_order_with_the_masters_request_id(
     assert [c.value for c in chunks if c.stage == "count"] == [Text("40")]
 
 
+async def _held_at(stream: RemoteResponseStream, most: int) -> None:
+    """Wait until ``stream``'s client holds (about) ``most`` outputs it has not read, the
+    master having sent what the client's grants allow; then check no more come meanwhile."""
+    call = stream._call
+    assert call is not None
+    await wait_for(lambda: call.queue.qsize() >= most - 1)
+
+    async def grows() -> bool:
+        return call.queue.qsize() > most
+
+    with pytest.raises(TimeoutError):
+        await wait_for(grows, timeout=1.0)
+
+
 async def test_a_slow_reader_holds_its_request_at_the_master(remote: RemotePipeline) -> None:
     """The master sends a request's outputs only as far as its client has granted (a
     window, renewed as the client reads): a client that stops reading holds the stream at
@@ -219,16 +234,7 @@ async def test_a_slow_reader_holds_its_request_at_the_master(remote: RemotePipel
     words = [f"s{k}" for k in range(n)]
     async with remote.stream(Text(" ".join(words))) as stream:
         first = await anext(stream)
-        call = stream._call
-        assert call is not None
-        # The master sent what the first grant allows, and then no more while we wait.
-        await wait_for(lambda: call.queue.qsize() >= REMOTE_WINDOW - 1)
-
-        async def grows() -> bool:
-            return call.queue.qsize() > REMOTE_WINDOW
-
-        with pytest.raises(TimeoutError):
-            await wait_for(grows, timeout=1.0)
+        await _held_at(stream, REMOTE_WINDOW)
         rest = [chunk async for chunk in stream]
     relayed = [c.value for c in [first, *rest] if c.stage == "relay"]
     assert relayed == [Token(k, w) for k, w in enumerate(words)]
@@ -253,16 +259,8 @@ async def test_a_slow_reader_of_large_outputs_holds_a_bounded_number_of_bytes(
         endpoint = await _serve(config, tmp_path, procs)
         async with Pipeline.connect(endpoint) as pipe, pipe.stream(Text("go")) as stream:
             first = await anext(stream)
-            call = stream._call
-            assert call is not None
-            most = REMOTE_WINDOW_BYTES // (3 * 2**20) + 1  # the last one may pass the bound
-            await wait_for(lambda: call.queue.qsize() >= most - 1)
-
-            async def grows() -> bool:
-                return call.queue.qsize() > most
-
-            with pytest.raises(TimeoutError):
-                await wait_for(grows, timeout=1.0)
+            # The last output sent may pass the bound.
+            await _held_at(stream, REMOTE_WINDOW_BYTES // (3 * 2**20) + 1)
             rest = [chunk async for chunk in stream]
         assert [b.seq for b in [first, *rest]] == list(range(40))
     finally:

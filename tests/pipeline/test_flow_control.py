@@ -107,20 +107,36 @@ async def _arena_empty(pipe: Pipeline) -> bool:
     )
 
 
-async def test_queued_requests_leave_the_shm_arena_to_the_running_one() -> None:
+@pytest.mark.parametrize(
+    ("count", "requests", "capacity"),
+    [
+        # Each request's byte window (64 MiB by default) could fill this arena alone.
+        pytest.param(40, 3, "16MiB", id="windows"),
+        # Each queued request's first chunk took the arena regardless of the queued share:
+        # 12 first chunks of 1 MiB did not fit in 8 MiB (its queued share is 2 MiB), and
+        # the running request's next put found no room. A consumer with one input cannot
+        # start a request before its first chunk, so that chunk waits for the share too.
+        pytest.param(6, 12, "8MiB", id="first-chunks"),
+    ],
+)
+async def test_queued_requests_leave_the_shm_arena_to_the_running_one(
+    count: int, requests: int, capacity: str
+) -> None:
     """Requests queued behind a consumer's max_concurrency hold only a share of the
     producer's shm arena, so the running request's stream keeps finding room: every
     request completes, none falls back, and the arena is empty after."""
-    count, requests = 40, 3
     s = spec(
         {
-            "flood": {"impl": ":Flood", "params": {"count": count, "size": 1024 * 1024}},
+            "flood": {
+                "impl": ":Flood",
+                "params": {"count": count, "size": 1024 * 1024},
+                "max_concurrency": requests,
+            },
             "drain": {"impl": ":Drain", "params": {"delay": 0.002}, "max_concurrency": 1},
         },
         [("flood", "drain")],
-        # Each request's byte window (64 MiB by default) could fill this arena alone. With
-        # no fallback, a put that finds no room within 3 s fails its request.
-        transport={"kind": "shm", "options": {"capacity": "16MiB"}, "full_timeout": 3},
+        # With no fallback, a put that finds no room within 3 s fails its request.
+        transport={"kind": "shm", "options": {"capacity": capacity}, "full_timeout": 3},
     )
     async with Pipeline(s) as pipe:
         results = await asyncio.gather(
@@ -132,37 +148,6 @@ async def test_queued_requests_leave_the_shm_arena_to_the_running_one() -> None:
         assert (out["used"], out["fallbacks"]) == ({"shm": count * requests}, 0)
         # The queued requests were held back at their share, rather than filling the arena.
         assert out["queued_waits"] > 0, out
-        await wait_for(lambda: _arena_empty(pipe))
-
-
-async def test_the_first_chunks_of_many_queued_requests_leave_room_for_the_running_one() -> None:
-    """Each queued request's first chunk took the arena regardless of the queued share:
-    with more requests queued than the arena holds first chunks, they filled it, and the
-    running request's next put found no room (TransportFull, or a ChunkGap at its
-    consumer). A consumer with one input cannot start a request before its first chunk
-    comes, so that chunk now waits for the share like the rest."""
-    count, requests = 6, 12
-    s = spec(
-        {
-            "flood": {
-                "impl": ":Flood",
-                "params": {"count": count, "size": 1024 * 1024},
-                "max_concurrency": requests,
-            },
-            "drain": {"impl": ":Drain", "params": {"delay": 0.002}, "max_concurrency": 1},
-        },
-        [("flood", "drain")],
-        # 12 first chunks of 1 MiB would not fit in 8 MiB; the queued share is 2 MiB.
-        transport={"kind": "shm", "options": {"capacity": "8MiB"}, "full_timeout": 3},
-    )
-    async with Pipeline(s) as pipe:
-        results = await asyncio.gather(
-            *(pipe.submit(Text(str(i))) for i in range(requests)), return_exceptions=True
-        )
-        assert results == [Text(str(count))] * requests
-        stats = await pipe.statistics()
-        (out,) = next(r for r in stats["replicas"] if r["stage"] == "flood")["outputs"]
-        assert (out["used"], out["fallbacks"]) == ({"shm": count * requests}, 0)
         await wait_for(lambda: _arena_empty(pipe))
 
 
