@@ -755,7 +755,8 @@ class OutputChannel:
                 del self._putting_for[key]
         if not win.reading:
             shared.hold_queued(descriptor, request_id)
-            self._queued_readers[request_id] = win.reader
+            if hasattr(shared, "queued_requests"):  # else never pruned: not noted
+                self._queued_readers[request_id] = win.reader
             if len(self._queued_readers) > QUEUED_READERS_PRUNE:
                 # Requests aborted before their consumer began reading leave entries that
                 # only a full share would otherwise prune.

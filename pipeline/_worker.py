@@ -97,7 +97,7 @@ from pipeline._sockets import (
     new_context,
 )
 from pipeline._stage import Stage
-from pipeline._watchdog import EXIT_STOP_OVERDUE, Watchdog
+from pipeline._watchdog import Watchdog
 from transports._liveness import local_pid, pid_namespace
 from transports.inline import MAX_DATA_FRAME
 
@@ -699,8 +699,13 @@ async def run_worker(
     connect_timeout: float = 300.0,
     debug: bool = False,
     launched: bool = False,
+    bound_exit: bool = False,
 ) -> int:
     """Serve one replica of ``stage`` for the master at ``master``; returns an exit code.
+
+    With ``bound_exit`` (the worker command, whose process ends with it), the process is
+    ended a grace after its loop's last tick should its exit hang on a thread that never
+    returns; a caller that goes on after it returns leaves it False.
 
     The data port binds ``bind_host``; by default this host's address toward the master.
 
@@ -711,7 +716,7 @@ async def run_worker(
     worker = _Worker(
         master, stage, replica, bind_host or address_toward(master), debug=debug, launched=launched
     )
-    code = EXIT_STOP_OVERDUE
+    code = 1  # an exception's, should the exit then hang
     try:
         code = await worker.serve(connect_timeout)
         return code
@@ -721,8 +726,8 @@ async def run_worker(
             signal.signal(sig, default)
         worker.stop_ticking()
         worker.close()
-        if worker.watchdog is not None:
-            # What is left of the exit is bounded too (see Watchdog.exiting).
+        if worker.watchdog is not None and bound_exit:
+            # What is left of the process's exit is bounded too (see Watchdog.exiting).
             worker.watchdog.exiting(code)
 
 
@@ -844,6 +849,7 @@ def main(argv: list[str] | None = None) -> int:
         connect_timeout=args.connect_timeout,
         debug=args.debug,
         launched=args.parent_pid is not None,
+        bound_exit=True,
     )
     try:
         profile_dir = os.environ.get("STAGEWIRE_PROFILE_DIR")
