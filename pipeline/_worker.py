@@ -7,7 +7,9 @@ embedded :class:`~pipeline.Pipeline` all come here, so there is one code path::
 
 The worker binds its own ephemeral data port, registers with the master (retrying until
 the master answers, so start order does not matter), sets its stage up, and serves until
-told to shut down. If the master goes silent past the heartbeat timeout it exits cleanly.
+told to shut down. If the master goes silent past twice the heartbeat timeout it exits
+cleanly, unless a launcher whose process still lives started it (an embedded master's
+loop may be held by its service for a while).
 Told by a master that it is not counted as serving (declared dead while it could not beat,
 or the master restarted since), a worker started by hand registers again, its stage still
 set up.
@@ -192,6 +194,9 @@ class _Worker:
         #: Started by a local launcher, whose master reports a failed setup on one line (the
         #: worker's own log of it, on the same terminal, would say it twice).
         self.launched = launched
+        #: The launcher's process (the master's), which a launched worker outlives by at
+        #: most a SIGTERM (see ``_die_with_parent``); 0 when started by hand.
+        self.parent = os.getppid() if launched else 0
         self.replica = replica
         self.host = host_identity()
         self.zctx = new_context()
@@ -657,14 +662,39 @@ class _Worker:
             log.warning("stage_teardown_failed", stage=self.stage, error=repr(exc))
 
     async def _watch_master(self, interval: float, master_timeout: float) -> int:
+        """Serve until told to stop (0), or until the master is lost (4).
+
+        A master silent for ``master_timeout`` is lost, except to a launched worker while
+        the launcher's process lives: a master embedded in a service beats from the
+        service's event loop, and a loop held for a while (a blocking call, a debugger's
+        breakpoint) must not cost the service its workers. Such a worker waits, warning
+        once per silence, and exits with the process (its parent-death signal).
+        """
         assert self.actor is not None
+        silent_since = 0.0  # when the current silence was noted; 0: none
         while not self.stop.is_set():
             self.actor.sweep(time.monotonic())
             if time.monotonic() - self.last_seen > master_timeout:
                 # The loop may just have been held by a long handler: read what the master
                 # sent meanwhile before concluding it is gone.
                 self.control_reader.drain_now()
-            if time.monotonic() - self.last_seen > master_timeout:
+            silent = time.monotonic() - self.last_seen
+            if silent <= master_timeout:
+                if silent_since:
+                    log.info("master_heard_again", stage=self.stage, replica=self.replica)
+                    silent_since = 0.0
+            elif self.parent and os.getppid() == self.parent:
+                if not silent_since:
+                    silent_since = time.monotonic()
+                    log.warning(
+                        "master_silent",
+                        stage=self.stage,
+                        replica=self.replica,
+                        silent_for=round(silent, 1),
+                        reason=f"its process (pid {self.parent}) lives, its event loop held: "
+                        "waiting for it",
+                    )
+            else:
                 log.error("master_lost", stage=self.stage, silent_for=master_timeout)
                 return EXIT_MASTER_LOST
             try:

@@ -708,6 +708,25 @@ async def test_ctrl_c_during_start_up_is_quiet_and_leaves_no_worker(
         _stop(proc, workers)
 
 
+async def test_an_embedding_loop_held_past_the_heartbeat_timeout_keeps_its_workers() -> None:
+    """An embedded master beats from its service's event loop. A loop held for several times
+    the heartbeat timeout (a blocking call, a debugger's breakpoint) keeps its workers:
+    launched ones wait while the master's process lives, and requests go on being served by
+    the same processes afterwards. (They used to exit 4, taking their stages' setup with
+    them.)"""
+    s = spec({"a": ":Echo", "b": ":Echo"}, [("a", "b")],
+             heartbeat_interval="100ms", heartbeat_timeout="600ms")  # fmt: skip
+    async with Pipeline(s) as pipe:
+        assert await pipe.submit(Text("before")) == Text("before")
+        pids = dict(pipe.worker_pids)
+        # The loop held, on purpose: the master is silent for 2.5x a worker's patience.
+        time.sleep(3.0)  # noqa: ASYNC251
+        assert await asyncio.wait_for(pipe.submit(Text("after")), 30) == Text("after")
+        assert dict(pipe.worker_pids) == pids
+        assert all(alive(p) for p in pids.values()), pids
+    assert not any(alive(p) for p in pids.values())
+
+
 @pytest.mark.parametrize(
     ("stage", "replicas"), [("Echo", 2), ("HangingSetup", 1)], ids=["serving", "in-setup"]
 )
