@@ -73,6 +73,7 @@ from pipeline._security import CurveKeys, secure_server, stop_guard
 from pipeline._signature import EdgePlan, PipelinePlan
 from pipeline._sockets import (
     Outbox,
+    RefusedPeers,
     SocketReader,
     bind_ephemeral,
     new_context,
@@ -226,6 +227,7 @@ class Master:
         #: can end it, so that its slot is restarted.
         self.on_silent: Callable[[str, int, int], object] | None = None
         self._readers: list[SocketReader] = []
+        self._refusals: list[RefusedPeers] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.orchestrator: Orchestrator | None = None
         #: Handles remote clients' messages (``stagewire master``); None refuses them,
@@ -278,6 +280,9 @@ class Master:
         self._readers = [self._control_reader, SocketReader(self.inbox, on_data, self._on_error)]
         for reader in self._readers:
             reader.start()
+        # Connections ZMQ refused before any message (garbage bytes, another protocol,
+        # wrong keys) are counted with the garbage too.
+        self._refusals = [RefusedPeers(sock, self._dropped) for sock in (self.router, self.inbox)]
         self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat()))
         log.info("master_started", endpoint=self.endpoint, pipeline=self.spec.name)
 
@@ -852,6 +857,8 @@ class Master:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for reader in self._readers:
             reader.stop()
+        for refusals in self._refusals:
+            refusals.stop()
         if self.local is not None:
             self.local.close()
         self.outbox.close()

@@ -31,6 +31,7 @@ __all__ = (
     "HandshakeJudge",
     "HandshakeWatch",
     "Outbox",
+    "RefusedPeers",
     "Sealable",
     "SendData",
     "SocketReader",
@@ -249,6 +250,41 @@ class HandshakeJudge:
         return handshake_failure(event, self._endpoint, self._keys)
 
 
+class _Monitor:
+    """Calls ``on_event`` with each of ``events`` (``zmq.EVENT_*`` flags) on ``sock``, read on
+    the event loop, until :meth:`stop`."""
+
+    def __init__(self, sock: zmq.Socket[Any], events: int, on_event: Callable[[int], None]) -> None:
+        self._sock = sock
+        self._on_event = on_event
+        # Read by a plain socket of the same context, even when ``sock`` is a ``zmq.asyncio``
+        # one (whose receives would return futures). Made by that context, not by a shadow
+        # of it, so that the context closes it too: a context whose owner was dropped unclosed
+        # waited for it for ever in its finaliser, freezing a garbage collection.
+        address = f"inproc://stagewire-monitor-{id(self):x}"
+        sock.monitor(address, events)
+        self._mon: zmq.Socket[Any] | None = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
+        self._mon.setsockopt(zmq.LINGER, 0)
+        self._mon.connect(address)
+        self._reader = SocketReader(self._mon, self._read, lambda exc, frames: None)
+        self._reader.start()
+
+    def _read(self, frames: list[bytes]) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        self._on_event(parse_monitor_message(frames)["event"])
+
+    def stop(self) -> None:
+        """Stop watching; idempotent."""
+        mon, self._mon = self._mon, None
+        if mon is None:
+            return
+        self._reader.stop()
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        mon.close(0)
+
+
 class HandshakeWatch:
     """Tells ``on_refused`` once, with a one-line reason, if the peer a connecting socket
     reaches refuses its handshake (see :class:`HandshakeJudge`).
@@ -264,25 +300,13 @@ class HandshakeWatch:
         keys: CurveKeys | None,
         on_refused: Callable[[str], None],
     ) -> None:
-        self._sock = sock
         self._judge = HandshakeJudge(endpoint, keys)
         self._on_refused = on_refused
-        # Read by a plain socket of the same context, even when ``sock`` is a ``zmq.asyncio``
-        # one (whose receives would return futures). Made by that context, not by a shadow
-        # of it, so that the context closes it too: a context whose owner was dropped unclosed
-        # waited for it for ever in its finaliser, freezing a garbage collection.
-        address = f"inproc://stagewire-handshake-{id(self):x}"
-        sock.monitor(address, HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self._mon: zmq.Socket[Any] | None = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
-        self._mon.setsockopt(zmq.LINGER, 0)
-        self._mon.connect(address)
-        self._reader = SocketReader(self._mon, self._on_event, lambda exc, frames: None)
-        self._reader.start()
+        self._monitor = _Monitor(
+            sock, HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED, self._on_event
+        )
 
-    def _on_event(self, frames: list[bytes]) -> None:
-        from zmq.utils.monitor import parse_monitor_message
-
-        event = parse_monitor_message(frames)["event"]
+    def _on_event(self, event: int) -> None:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.stop()
             return
@@ -293,13 +317,37 @@ class HandshakeWatch:
 
     def stop(self) -> None:
         """Stop watching; idempotent."""
-        mon, self._mon = self._mon, None
-        if mon is None:
-            return
-        self._reader.stop()
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.disable_monitor()
-        mon.close(0)
+        self._monitor.stop()
+
+
+#: Why a bound socket refused a connection, by handshake event.
+_REFUSED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "a peer whose CURVE keys are not the pipeline's",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "a peer that broke the ZMQ protocol, or that uses "
+    "CURVE where this socket does not (or the reverse)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "a connection that sent bytes that are no ZMQ "
+    "handshake, or closed before finishing one",
+}
+
+
+class RefusedPeers:
+    """Tells ``on_refused``, with a short reason, of each connection a bound socket refused
+    at the handshake: garbage bytes, another protocol, a peer without the pipeline's keys.
+
+    ZMQ drops those connections itself, before any message; this is how they are counted
+    and logged with the garbage the socket's messages held. Watches until :meth:`stop`.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any], on_refused: Callable[[str], None]) -> None:
+        self._on_refused = on_refused
+        self._monitor = _Monitor(sock, HANDSHAKE_FAILED, self._on_event)
+
+    def _on_event(self, event: int) -> None:
+        self._on_refused(_REFUSED.get(event, "a refused handshake"))
+
+    def stop(self) -> None:
+        """Stop watching; idempotent."""
+        self._monitor.stop()
 
 
 class Outbox:

@@ -93,6 +93,7 @@ from pipeline._signature import build_plan
 from pipeline._sockets import (
     HandshakeWatch,
     Outbox,
+    RefusedPeers,
     SocketReader,
     bind_ephemeral,
     for_endpoint,
@@ -228,6 +229,9 @@ class _Worker:
             self.control.close(linger=0)
             self.zctx.term()
             raise BindFailed(exc.strerror or str(exc)) from exc
+        # Connections ZMQ refused before any message (garbage bytes, another protocol,
+        # wrong keys) are counted with the data port's garbage.
+        self._refusals = RefusedPeers(self.inbox, self._refused_peer)
         self.outbox = Outbox(self.zctx, keys)
         #: Same-host peers send here instead of to ``inbox``; read once the actor exists.
         self.local: LocalListener | None = None
@@ -281,6 +285,11 @@ class _Worker:
     def _on_error(self, exc: BaseException, frames: list[bytes]) -> None:
         self.garbage += 1
         log.warning("message_failed", stage=self.stage, error=repr(exc))
+
+    def _refused_peer(self, why: str) -> None:
+        self.garbage = count_dropped(
+            log, "garbage_dropped", self.garbage, stage=self.stage, socket="data", why=why
+        )
 
     def _on_control(self, frames: list[bytes]) -> None:
         try:
@@ -709,6 +718,7 @@ class _Worker:
         self.control_reader.stop()
         if self.data_reader is not None:
             self.data_reader.stop()
+        self._refusals.stop()
         if self.local is not None:
             self.local.close()
         self.outbox.close()

@@ -31,7 +31,7 @@ from pipeline._errors import TransportError
 from pipeline._latency import LatencyRecorder
 from pipeline._logging import count_dropped
 from pipeline._security import process_keys, secure_server
-from pipeline._sockets import SocketReader
+from pipeline._sockets import RefusedPeers, SocketReader
 from transports._network_store import BlockPool, Capacity, Held
 from transports._network_wire import Control, Fetch, NetworkOptions, Part, Status
 from transports._protocol import EdgeContext
@@ -134,6 +134,8 @@ class Server:
         self._sock, self.endpoint = self._bind()
         self._reader = SocketReader(self._sock, self._on_message, self._on_bad_message)
         self._reader.start()
+        # Connections ZMQ refused before any message (garbage bytes, wrong keys) count too.
+        self._refusals = RefusedPeers(self._sock, self._refused)
 
     def _bind(self) -> tuple[zmq.Socket[Any], str]:
         """Open and bind the ROUTER; the socket and the endpoint receivers connect to."""
@@ -213,6 +215,11 @@ class Server:
             return
         self.errors = count_dropped(
             _log, "network_message_dropped", self.errors, edge=self._edge.edge, error=str(exc)
+        )
+
+    def _refused(self, why: str) -> None:
+        self.errors = count_dropped(
+            _log, "network_message_dropped", self.errors, edge=self._edge.edge, error=why
         )
 
     def _acked(self, peer: _Peer, count: int) -> None:
@@ -382,6 +389,7 @@ class Server:
             self._stall_timer.cancel()
             self._stall_timer = None
         self._reader.stop()
+        self._refusals.stop()
         self._sock.close(linger=0)
         self.held.clear()
         self._sending.clear()

@@ -399,6 +399,27 @@ async def test_oversized_frame_is_refused(fake_producer: tuple[zmq.asyncio.Socke
         assert time.monotonic() - start < 10
 
 
+async def test_garbage_on_a_senders_port_is_counted_and_its_payloads_still_served() -> None:
+    """What connects to a sender's port and then speaks no ZMQ (a stray client, a probe) is
+    refused by ZMQ at the handshake: counted in the sender's errors (and logged now and
+    then), with the payloads it holds still served to a real receiver."""
+    transport = NetworkTransport(fetch_timeout=5)
+    async with transport.open_sender(_edge()) as sender:
+        desc = await sender.put(_key(), Encoded(b"head", (b"body",)), timeout=5)
+        assert sender.endpoint is not None
+        host, port = sender.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"\xff" + b"not a ZMQ greeting " * 8)
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        await wait_for(lambda: sender.statistics().errors == 1)
+        async with transport.open_receiver(_edge()) as receiver:
+            got = await _within(receiver.get(desc))
+            assert bytes(got.header) == b"head" and [bytes(b) for b in got.buffers] == [b"body"]
+            await receiver.release(desc)
+
+
 async def test_sender_abandons_a_receiver_that_stops_reading() -> None:
     """A receiver that fetches and then never acknowledges is abandoned after fetch_timeout,
     and the payload's capacity is freed for other puts."""
