@@ -600,9 +600,10 @@ def _submit_failure(
     """The one-line error and exit code of a ``submit`` that failed with ``exc``.
 
     A request the pipeline failed, or one that did not end in time once the master had
-    answered, is exit code 1; exit code 3 when no master answered at ``master``, or it went
-    away (:class:`MasterUnavailable`); exit code 2 for an endpoint (or keys) that cannot
-    work. The user's own bad ``--input`` is refused (exit code 2) before any of this.
+    answered, is exit code 1; exit code 3 when no master answered at ``master``, it went
+    away (:class:`MasterUnavailable`), or it takes no submissions; exit code 2 for an
+    endpoint (or keys) that cannot work. The user's own bad ``--input`` is refused (exit
+    code 2) before any of this.
     """
     if isinstance(exc, TimeoutError):
         if not answered:
@@ -616,6 +617,9 @@ def _submit_failure(
         return _Fail(str(exc), EXIT_START)
     if isinstance(exc, ConfigError) and not answered:
         return _Fail(f"--master {master!r}: {exc}", EXIT_CONFIG)
+    if not answered:
+        # The master answered but will not serve this client (a batch ``run``'s master).
+        return _Fail(f"{type(exc).__name__}: {exc}", EXIT_START)
     return _Fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
 
 

@@ -605,7 +605,7 @@ async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_w
         kill_all(procs)
 
 
-async def test_submit_without_a_master_exits_3_and_a_run_refuses_submissions(
+async def test_submit_without_a_master_exits_3_and_a_run_refuses_submissions_with_3(
     tmp_path: Path,
 ) -> None:
     nobody = _submit(f"tcp://127.0.0.1:{free_port()}", '{"value": "a"}', "--timeout", "1")
@@ -619,7 +619,7 @@ async def test_submit_without_a_master_exits_3_and_a_run_refuses_submissions(
         await workers_announced(err)
         endpoint = re.search(r"--master (\S+)", err.read_text()).group(1)  # type: ignore[union-attr]
         refused = _submit(endpoint, '{"value": "a"}', "--timeout", "20")
-        assert refused.returncode == 1 and "takes no submissions" in refused.stderr
+        assert refused.returncode == 3 and "takes no submissions" in refused.stderr
     finally:
         kill_all([run])
 
