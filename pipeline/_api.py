@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -20,7 +21,7 @@ from pipeline._config import PipelineSpec
 from pipeline._errors import ConfigError, EndOfChannel, PayloadError, RequestAborted
 from pipeline._host import on_this_host
 from pipeline._launcher import LocalLauncher
-from pipeline._lifecycle import LoopBound
+from pipeline._lifecycle import LoopBound, LoopWatch
 from pipeline._logging import configure_logging
 from pipeline._master import Master
 from pipeline._orchestrator import ClientRequest
@@ -101,7 +102,12 @@ class ResponseStream:
         Raises:
             PayloadError: the input does not match the source stage's type.
             StageUnavailable: a stage had no ready replica for ``replica_wait``.
-            RequestAborted: the pipeline closed while the request waited for a replica.
+            RequestTimeout: the request's deadline passed while it waited for admission.
+            RequestAborted: the pipeline or the stream closed while the request waited for
+                admission, or another caller of ``start`` on this stream was cancelled
+                meanwhile (which withdraws it).
+            TransportError: the input could not be sent to its source stage.
+            RuntimeError: the pipeline is not running, or runs on another event loop.
         """
         if self._req is None:
             if self._done:
@@ -128,9 +134,17 @@ class ResponseStream:
                 elif starting.done() and self._starting is starting:
                     self._starting = None  # a later start() tries again
                 task = asyncio.current_task()
-                if starting.cancelled() and self._closed() and not (task and task.cancelling()):
-                    # Not this caller's cancellation: aclose() withdrew the request.
-                    raise RequestAborted("(not started)", "the stream was closed") from None
+                if starting.cancelled() and not (task and task.cancelling()):
+                    # Not this caller's cancellation: aclose(), or another caller's, withdrew
+                    # the request (a bare CancelledError would end this caller's task as if
+                    # it had been cancelled, silently inside a TaskGroup).
+                    why = (
+                        "the stream was closed"
+                        if self._closed()
+                        else "another caller of start() on this stream was cancelled while "
+                        "the request waited for admission, which withdrew it"
+                    )
+                    raise RequestAborted("(not started)", why) from None
                 raise
             if self._req is None:
                 self._req = req
@@ -154,6 +168,7 @@ class ResponseStream:
             PayloadError: a payload did not match its declared type.
             RequestTimeout: the request passed its deadline.
             RequestAborted: the request was aborted, or the pipeline closed.
+            RuntimeError: the pipeline is not running, or runs on another event loop.
         """
         if self._done:
             raise StopAsyncIteration
@@ -234,6 +249,10 @@ class Pipeline(LoopBound):
         self.device = None if device is None else resolve_device(device)
         self._master: Master | None = None
         self._launcher: LocalLauncher | None = None
+        #: Closes the pipeline should its loop close with it open (see _abandoned).
+        self._watch: LoopWatch | None = None
+        #: Serialises _close_now: the watch's thread and another loop's aclose may both call.
+        self._now_lock = threading.Lock()
         #: Whether the latest start completed: workers then get a grace period on close.
         self._ready = False
         #: Whether a close began since the latest start.
@@ -315,9 +334,8 @@ class Pipeline(LoopBound):
     def _master_here(self) -> Master:
         """The master, for a coroutine: refused on another event loop than the one the
         pipeline was started on, which its master's tasks and sockets belong to."""
-        master = self._master_or_fail()
-        self._check_here()
-        return master
+        self._check_here()  # first: a pipeline whose loop closed was closed with it
+        return self._master_or_fail()
 
     @property
     def master_endpoint(self) -> str:
@@ -355,6 +373,7 @@ class Pipeline(LoopBound):
             ConfigError: ``master.keys`` (or ``STAGEWIRE_KEYS``) names no valid key pair.
             StageUnavailable: replicas did not become ready within ``startup_timeout``.
             PipelineError: a stage failed to import or set up, or the master cannot bind.
+            RuntimeError: the pipeline is already running, or still closing.
         """
         if self._master is not None or self._launcher is not None:
             raise RuntimeError(
@@ -371,13 +390,16 @@ class Pipeline(LoopBound):
         master = self._master = Master(
             self.plan, keys=keys, serves_clients=self._serves_clients, device=self.device
         )
+        self._watch = LoopWatch(
+            asyncio.get_running_loop(), self.spec.defaults.heartbeat_interval, self._abandoned
+        )
         try:
             await master.start()
+            if on_listening is not None:
+                on_listening(master.endpoint)
         except BaseException:
             await self.aclose()  # its sockets and context, bound or not
             raise
-        if on_listening is not None:
-            on_listening(master.endpoint)
         launcher = None
         if launch:
 
@@ -505,6 +527,7 @@ class Pipeline(LoopBound):
 
     async def _close(self) -> None:
         self._closed = True
+        self._stop_watch()
         master, self._master = self._master, None
         launcher = self._launcher
         try:
@@ -529,10 +552,32 @@ class Pipeline(LoopBound):
 
     def _close_now(self) -> None:
         """Close a pipeline whose event loop has closed: nothing can be awaited there."""
-        self._closed = True
-        master, self._master = self._master, None
-        launcher, self._launcher = self._launcher, None
-        if launcher is not None:
-            launcher.kill_now(loop_closed=True)
-        if master is not None:
-            master.close_now()
+        with self._now_lock:
+            self._closed = True
+            self._stop_watch()
+            master, self._master = self._master, None
+            launcher, self._launcher = self._launcher, None
+            if launcher is not None:
+                launcher.kill_now(loop_closed=True)
+            if master is not None:
+                master.close_now()
+
+    def _stop_watch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
+
+    def _abandoned(self) -> None:
+        """The loop the pipeline started on closed with the pipeline open (``asyncio.run``
+        returned without ``aclose``): nothing there will stop its workers, which wait for a
+        silent master while this process lives, so they are stopped now (from the watch's
+        thread)."""
+        if self._master is None and self._launcher is None:
+            return
+        log.warning(
+            "pipeline_abandoned",
+            pipeline=self.spec.name,
+            reason="the event loop it started on closed before it was closed: its workers "
+            "are stopped; use 'async with' or 'await pipe.aclose()'",
+        )
+        self._close_now()

@@ -10,13 +10,18 @@ however it is reached:
   cannot wait at once: the subclass's ``_close`` sees to that);
 - from another loop, the close runs on the owner's loop if it still runs, or, if that loop
   has closed, what can be done without awaiting is done at once (``_close_now``).
+
+:class:`LoopWatch` covers the close nobody calls: a loop that ends (``asyncio.run``
+returning) with the object still open, in a process that lives on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Callable
 
-__all__ = ("LoopBound",)
+__all__ = ("LoopBound", "LoopWatch")
 
 
 class LoopBound:
@@ -91,3 +96,33 @@ class LoopBound:
     def _close_now(self) -> None:
         """Release everything without awaiting: the owner's loop has closed."""
         raise NotImplementedError
+
+
+class LoopWatch:
+    """Calls ``on_closed`` once, from a thread of its own, if ``loop`` closes before
+    :meth:`stop`; checks every ``interval`` seconds.
+
+    A loop that is merely held (a blocking call, a debugger's breakpoint) or stopped is not
+    closed: only a closed loop can never run the object's tasks again.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, interval: float, on_closed: Callable[[], None]
+    ) -> None:
+        self._loop = loop
+        self._interval = interval
+        self._on_closed = on_closed
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stagewire-loop-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            if self._loop.is_closed():
+                if not self._stopped.is_set():
+                    self._on_closed()
+                return
+
+    def stop(self) -> None:
+        """Stop watching (the thread ends within ``interval``); idempotent."""
+        self._stopped.set()

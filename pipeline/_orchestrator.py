@@ -381,6 +381,10 @@ class Orchestrator:
             PipelineError: the request failed, timed out or was aborted.
         """
         while True:
+            if req.error is not None:
+                # Ended while the client was between two reads: no read task may start now
+                # (nobody would retrieve the error it ends with).
+                raise req.error
             # A sink whose task already took its final chunk is still open until the value
             # in that task has been handed to the client.
             open_sinks = [
@@ -420,6 +424,8 @@ class Orchestrator:
                 except EndOfChannel:
                     continue
                 except PipelineError as exc:
+                    for other in req.pending.values():
+                        other.add_done_callback(_consume_outcome)
                     raise (req.error or exc) from None
                 self._complete_if_read(req)
                 return sink, value

@@ -456,6 +456,25 @@ async def test_a_stream_closed_while_another_task_starts_it_starts_nothing() -> 
         assert not pipe._master_here().orch.requests
 
 
+async def test_a_start_withdrawn_by_another_callers_cancellation_says_so() -> None:
+    """Two tasks wait in start() on one stream; the one cancelled withdraws the request, and
+    the other, never cancelled, gets a RequestAborted saying why. (It got a bare
+    CancelledError, which ended its task as if cancelled: silently, in a TaskGroup.)"""
+    async with Pipeline(spec({"echo": ":Echo"}, [], max_inflight=1)) as pipe:
+        busy, stream, starting = await _starting_behind_another(pipe, "sleep 0.5")
+        other = asyncio.ensure_future(stream.start())
+        await asyncio.sleep(0)  # both wait for the slot now
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+        with pytest.raises(RequestAborted, match="another caller of start"):
+            await other
+        assert not other.cancelled()
+        assert await busy == Text("sleep 0.5")
+        assert await asyncio.wait_for(stream.start(), 10)  # a later start() tries again
+        await stream.aclose()
+
+
 async def _starting_behind_another(
     pipe: Pipeline, busy: str
 ) -> tuple[asyncio.Future[Any], ResponseStream, asyncio.Future[str]]:

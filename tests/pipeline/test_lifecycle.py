@@ -168,6 +168,22 @@ def test_a_pipeline_whose_loop_closed_says_so_and_is_closed_from_another() -> No
     assert pids and not any(alive(p) for p in pids)
 
 
+async def test_a_start_whose_on_listening_raises_closes_what_it_started() -> None:
+    """An ``on_listening`` callback that raises fails the start, which closes the master it
+    had bound (its sockets and heartbeat task were left running, and every later start was
+    refused as "already running")."""
+    pipe = Pipeline(spec({"echo": ":Echo"}, []))
+
+    def refuse(endpoint: str) -> None:
+        raise OSError(f"cannot announce {endpoint}")
+
+    with pytest.raises(OSError, match="cannot announce"):
+        await pipe.start(on_listening=refuse)
+    assert pipe._master is None and pipe._launcher is None
+    async with pipe:
+        assert await pipe.submit(Text("again")) == Text("again")
+
+
 async def test_a_start_that_fails_stops_its_workers_without_a_grace_period() -> None:
     """Workers that never became ready cannot act on the master's Shutdown: the failed
     start stops them at once instead of waiting 5 s for them first."""

@@ -735,6 +735,52 @@ async def test_an_embedding_loop_held_past_the_heartbeat_timeout_keeps_its_worke
     assert not any(alive(p) for p in pids.values())
 
 
+_ABANDONS = """
+import asyncio, sys
+from pipeline import Pipeline
+from tests.pipeline.conftest import spec
+
+async def main():
+    pipe = Pipeline(spec({"a": ":Echo"}, [], heartbeat_interval="100ms",
+                         heartbeat_timeout="500ms"))
+    await pipe.start()
+    print(*pipe.worker_pids.values(), flush=True)
+
+asyncio.run(main())  # returns with the pipeline open
+sys.stdin.read()  # the process lives on until the test is done
+"""
+
+
+def _abandoning() -> subprocess.Popen[bytes]:
+    """A process running _ABANDONS from the repository's root, its three streams piped."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _ABANDONS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+
+
+async def test_a_pipeline_whose_loop_closes_unclosed_stops_its_workers() -> None:
+    """``asyncio.run`` returning with a pipeline never closed, in a process that lives on:
+    nothing on that loop will ever stop its workers, which wait for a silent master while
+    its process lives, so the pipeline's watch stops them within a heartbeat interval."""
+    proc = _abandoning()
+    workers: list[int] = []
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+        workers = [int(pid) for pid in line.split()]
+        assert len(workers) == 1, line
+        await _gone(workers, timeout=10)
+        assert proc.poll() is None  # the process still lives
+    finally:
+        _stop(proc, workers)
+        _, err = proc.communicate()  # closes the pipes
+    assert b"pipeline_abandoned" in err, err
+
+
 @pytest.mark.parametrize(
     ("stage", "replicas"), [("Echo", 2), ("HangingSetup", 1)], ids=["serving", "in-setup"]
 )

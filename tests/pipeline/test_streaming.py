@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import os
 
 import pytest
 import pytest_asyncio
 
-from pipeline import PayloadError, Pipeline, SinkOutput
+from pipeline import PayloadError, Pipeline, RequestAborted, SinkOutput
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
 
@@ -155,6 +156,30 @@ async def test_several_sinks_report_which_sink_spoke() -> None:
             ("b", "yo"),
             ("c", "yo"),
         ]
+
+
+async def test_a_read_after_a_request_with_several_sinks_ended_leaves_no_stray_error() -> None:
+    """A request with two sinks aborted between two of its client's reads: the next read
+    raises the abort, and no read task is left behind with an error nobody retrieves
+    (asyncio used to log "Task exception was never retrieved" for each other sink)."""
+    s = spec({"a": ":Tokens", "b": ":Relay", "c": ":Collect"}, [("a", "b"), ("a", "c")])
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    before = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        async with Pipeline(s) as pipe:
+            for _ in range(3):
+                stream = pipe.stream(Text("one two three"))
+                await pipe.abort(await stream.start())
+                with pytest.raises(RequestAborted):
+                    await stream.__anext__()
+                del stream
+            gc.collect()
+            await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(before)
+    assert not reported, [c.get("message") for c in reported]
 
 
 @pytest.mark.parametrize("transport", ["inline", "network"])
