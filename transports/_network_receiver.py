@@ -67,6 +67,10 @@ class NetworkReceiver(AsyncResource):
         self._conns: dict[tuple[str, bool], Connection] = {}
         self._fetches: dict[bytes, Inbound] = {}
         self._finished: dict[bytes, None] = {}
+        #: Descriptors their producer refused (the sizes are not those of what it holds
+        #: under the token, or it holds nothing there), by token: their release must not
+        #: drop what the token names, which a genuine descriptor may still fetch.
+        self._refused: dict[bytes, NetworkDescriptor] = {}
         #: Tokens returned by ``get`` and not yet released, counted as held in statistics.
         self._taken: set[bytes] = set()
         self._sweeper: asyncio.TimerHandle | None = None
@@ -171,8 +175,12 @@ class NetworkReceiver(AsyncResource):
         inbound.taken = True
         if inbound.refused:
             # The producer still holds whatever the token names (or never did): a forged
-            # descriptor must not spoil the genuine one at this receiver.
+            # descriptor must not spoil the genuine one at this receiver, nor its release.
             self._fetches.pop(desc.token, None)
+            refused = self._refused
+            refused[desc.token] = desc
+            if len(refused) > _REMEMBER:
+                del refused[next(iter(refused))]
         elif inbound.error is not None and not inbound.dropped:
             # Failed without a word to the producer (the connection was lost): it still
             # holds the payload, so the release that follows must tell it, anew.
@@ -202,8 +210,13 @@ class NetworkReceiver(AsyncResource):
         ):
             return
         token = descriptor.token
-        self._taken.discard(token)
         inbound = self._fetches.get(token)
+        if inbound is not None and inbound.desc != descriptor:
+            return  # another descriptor of the token is being fetched: this one is forged
+        if self._refused.get(token) == descriptor:
+            del self._refused[token]
+            return  # its producer refused it: what the token names is not this one's
+        self._taken.discard(token)
         if inbound is not None:
             if inbound.state == PENDING:
                 self.fail(inbound, "released while it was being fetched", drop=True, count=False)

@@ -306,8 +306,15 @@ class ShmReceiver(AsyncResource):
         segment = attachment.segment
         if d.slot < segment.slots and not segment.closed:
             base = Segment.slot_base(d.slot)
-            if segment.words[base + SLOT_GEN] == d.generation:
-                segment.words[base + SLOT_RELEASED] = d.generation
+            words = segment.words
+            if (
+                words[base + SLOT_GEN] == d.generation
+                and words[base + SLOT_OFFSET] == d.offset
+                and words[base + SLOT_LENGTH] == extent_size(d.header_size, d.buffer_sizes)
+            ):
+                # Only the extent it names, as get checks: a forged descriptor of the slot
+                # must not give back an extent that its genuine reader may still read.
+                words[base + SLOT_RELEASED] = d.generation
 
     def _release_pinned(self, d: ShmDescriptor) -> bool:
         """Release ``d`` through its pin, if a get made one; whether it had one."""

@@ -345,6 +345,9 @@ class ShmSender(AsyncResource):
         queued = self._queued_slots
         for slot in done:
             _, offset, size = self._held.pop(slot)
+            # No generation: a descriptor of what the slot held is stale from now on, also
+            # one whose reader died before releasing it (generations start at 1).
+            words[Segment.slot_base(slot) + SLOT_GEN] = 0
             readers.pop(slot, None)
             if slot in queued:
                 self._unqueue(slot)

@@ -399,6 +399,31 @@ async def test_oversized_frame_is_refused(fake_producer: tuple[zmq.asyncio.Socke
         assert time.monotonic() - start < 10
 
 
+async def test_a_forged_descriptor_and_its_release_leave_the_genuine_one_whole() -> None:
+    """A descriptor with a genuine token but other sizes, read as a channel reads (get,
+    then release): the producer refuses it, and neither its get nor its release spoils the
+    genuine descriptor, fetched after it or while it is. (The release told the producer
+    to drop the token's payload, and the receiver refused the genuine one as stale.)"""
+    transport = NetworkTransport(fetch_timeout=5)
+    async with (
+        transport.open_sender(_edge()) as sender,
+        transport.open_receiver(_edge()) as receiver,
+    ):
+        for concurrent in (False, True):
+            genuine = await sender.put(_key(), Encoded(b"hdr", (b"z" * 1000,)), timeout=5)
+            forged = msgspec.structs.replace(genuine, buffers=[999])
+            fetching = asyncio.ensure_future(receiver.get(genuine)) if concurrent else None
+            await asyncio.sleep(0)  # the genuine fetch under way
+            if not concurrent:
+                with pytest.raises(TransportError, match="forged"):
+                    await _within(receiver.get(forged))
+            await receiver.release(forged)
+            got = await _within(fetching if fetching is not None else receiver.get(genuine))
+            assert bytes(got.header) == b"hdr" and bytes(got.buffers[0]) == b"z" * 1000
+            await receiver.release(genuine)
+        await wait_for(lambda: sender.statistics().held == 0)
+
+
 async def test_garbage_on_a_senders_port_is_counted_and_its_payloads_still_served() -> None:
     """What connects to a sender's port and then speaks no ZMQ (a stray client, a probe) is
     refused by ZMQ at the handshake: counted in the sender's errors (and logged now and

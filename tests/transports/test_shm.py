@@ -726,6 +726,52 @@ async def test_dead_reader_does_not_pin_space(spawned: list[int]) -> None:
         assert sender.occupancy().extents == 1
 
 
+async def test_releasing_a_forged_descriptor_leaves_the_genuine_extent_held(
+    ends: tuple[ShmSender, ShmReceiver],
+) -> None:
+    """A descriptor of a live slot and generation but another offset or size is refused by
+    get, and its release gives nothing back: the genuine reader still reads its extent.
+    (The release matched slot and generation only, and gave the extent back.)"""
+    sender, receiver = ends
+    genuine = await sender.put(_key(), _blob(1, 1000), timeout=STEP)
+    forgeries = [
+        msgspec.structs.replace(genuine, offset=genuine.offset + ALIGN),
+        msgspec.structs.replace(genuine, buffer_sizes=(8,)),
+    ]
+    for forged in forgeries:
+        with pytest.raises(TransportError, match="forged"):
+            await receiver.get(forged)
+        await receiver.release(forged)
+    got = await receiver.get(genuine)
+    assert bytes(got.buffers[0]) == bytes(_blob(1, 1000).buffers[0])
+    del got
+    await receiver.release(genuine)
+
+
+async def test_an_extent_taken_back_from_a_dead_reader_refuses_its_old_descriptor(
+    ends: tuple[ShmSender, ShmReceiver],
+) -> None:
+    """Extents sent to a process that died are taken back; their descriptors are stale
+    from then on. (The slot kept its generation, so an old descriptor was accepted and read
+    whatever payload came to lie at its offset since.)"""
+    sender, receiver = ends
+    gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    await gone.wait()
+    old = [await sender.put(_key(i), _blob(i, 1000), timeout=STEP) for i in range(2)]
+    for desc in old:
+        sender.note_reader(desc, "consumer", gone.pid)
+    sender.readers_gone({"consumer"})
+    new = await sender.put(_key(2), _blob(2, 1000), timeout=STEP)
+    assert new.offset == old[0].offset  # the bytes the first old descriptor named
+    for desc in old:
+        with pytest.raises(TransportError, match="stale"):
+            await receiver.get(desc)
+    got = await receiver.get(new)
+    assert bytes(got.buffers[0]) == bytes(_blob(2, 1000).buffers[0])
+    del got
+    await receiver.release(new)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 10**6)), max_size=80))
 def test_arena_allocates_without_overlap_and_coalesces(
