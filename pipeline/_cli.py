@@ -353,8 +353,16 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
                     progress.advance(task)
 
             t1 = time.perf_counter()
-            # No more clients than requests: the others would find the queue empty.
-            clients = max(1, min(args.concurrency, total))
+            # No more clients than requests (the others would find the queue empty), nor
+            # than the pipeline admits at once (the others would only wait for a slot, each
+            # a coroutine in memory: --concurrency 2**31 ran the machine out of it).
+            admits = pipe.spec.defaults.max_inflight
+            clients = max(1, min(args.concurrency, total, admits))
+            if args.concurrency > clients == admits:
+                console.print(
+                    f"--concurrency {args.concurrency}: the pipeline admits {admits} requests "
+                    "at once (defaults.max_inflight), so that many are in flight"
+                )
             every, report = args.progress_every, lambda: _progress_line(progress, task, total)
             async with _progress_lines(console, every, report):
                 await asyncio.gather(*(client() for _ in range(clients)))
@@ -363,17 +371,10 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     finally:
         await pipe.aclose()
     shown = sorted((i, out) for _, i, out in outputs)
-    try:
-        if sys.stdout is None:
-            raise OSError("standard output is closed")
-        for i, out in shown:
-            sys.stdout.write(f"{i}: {to_json(out).decode()}\n")
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _quiet_stdout()  # its reader stopped (``| head``): the figures still go to stderr
-    except OSError as exc:
-        # A full disk, a closed stdout: said in one line, and the figures still follow.
-        console.print(f"[yellow]cannot write the outputs:[/yellow] {escape(str(exc))}")
+    stdout = _Stdout(console)  # a reader that stopped (``| head``): the figures still follow
+    for i, out in shown:
+        stdout.write(f"{i}: {to_json(out).decode()}\n", flush=False)
+    stdout.write("")
     if len(shown) < completed:
         console.print(f"({completed - len(shown)} more outputs; --print-outputs shows all)")
     spec = pipe.spec
@@ -429,6 +430,32 @@ async def _progress_lines(
         await asyncio.gather(ticker, return_exceptions=True)
 
 
+class _Stdout:
+    """Standard output for a command's results. Once its reader has gone (``| head``) the
+    rest is dropped quietly; once it cannot be written otherwise (a full disk, closed) that
+    is said once on the console; either way the command goes on, its figures on stderr."""
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+        self.dead = False
+
+    def write(self, text: str, *, flush: bool = True) -> None:
+        if self.dead:
+            return
+        try:
+            if sys.stdout is None:
+                raise OSError("standard output is closed")
+            sys.stdout.write(text)
+            if flush:
+                sys.stdout.flush()
+        except BrokenPipeError:
+            self.dead = True
+            _quiet_stdout()
+        except OSError as exc:
+            self.dead = True
+            self._console.print(f"[yellow]cannot write the outputs:[/yellow] {escape(str(exc))}")
+
+
 async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console) -> None:
     """Stream one request to the terminal as its chunks arrive.
 
@@ -437,6 +464,7 @@ async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console)
     """
     what = escape(f"field {field}" if field else "chunks")
     console.print(f"[bold]streaming one request[/bold] ({what})")
+    out = _Stdout(console)
     found = False
     fields: set[str] = set()
     try:
@@ -446,17 +474,15 @@ async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console)
                 if isinstance(piece, str):
                     found = True
                     if piece:
-                        sys.stdout.write(piece)
+                        out.write(piece)
                 else:
                     fields.update(getattr(chunk, "__struct_fields__", ()))
             else:
-                sys.stdout.write(to_json(chunk).decode() + "\n")
-            sys.stdout.flush()
+                out.write(to_json(chunk).decode() + "\n")
     except PipelineError as exc:
         console.print(f"[red]streamed request failed:[/red] {escape(str(exc))}")
     if field:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        out.write("\n")
         if not found and fields:
             console.print(
                 f"[yellow]no streamed chunk has a text field {escape(field)!r}[/yellow]; "

@@ -9,6 +9,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 __all__ = ("edge_rows", "print_tables", "render_tables", "stage_rows")
 
@@ -218,7 +219,12 @@ def _table(
     )
     for k, col in enumerate(columns):
         if col in free:
-            table.add_column(col, justify="left", overflow="fold")
+            # Wrapped at spaces, never inside a word: squeezed below its longest word, a
+            # narrow terminal cut "inline" into "inl/ine", or dropped the column whole.
+            longest = max((cell_len(w) for row in cells for w in row[k].split()), default=0)
+            table.add_column(
+                col, justify="left", overflow="fold", min_width=max(longest, cell_len(col))
+            )
             continue
         values = [row[k] for row in cells]
         widest = max((cell_len(v) for v in values), default=0)
@@ -229,5 +235,6 @@ def _table(
             header, justify="left" if k == 0 else "right", no_wrap=True, min_width=width
         )
     for row in cells:
-        table.add_row(*row)
+        # Plain text: names and counters are the user's, and "[x]" is no markup there.
+        table.add_row(*(Text(cell) for cell in row))
     return table

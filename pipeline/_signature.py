@@ -178,6 +178,17 @@ def inspect_stage(cls: type[Stage], stage: str) -> StageSignature:
         )
     inputs: list[InputSpec] = []
     for p in params[:-1]:
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            # Inputs are passed by name, one per upstream stage: '*args', '**kwargs' and
+            # positional-only parameters cannot take them.
+            stars: dict[inspect._ParameterKind, str] = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}
+            shown = stars.get(p.kind, "") + p.name
+            kind = "" if shown != p.name else " (positional-only)"
+            raise ConfigError(
+                f"{cls.__name__}.process parameter {shown!r}{kind} cannot take an input: "
+                "name one parameter per upstream stage (plain or keyword-only)",
+                path=path,
+            )
         if p.name not in hints:
             raise ConfigError(
                 f"{cls.__name__}.process parameter {p.name!r} has no type annotation", path=path
@@ -202,7 +213,15 @@ def inspect_stage(cls: type[Stage], stage: str) -> StageSignature:
     out = typing.get_args(ret)[0] if streaming_out else ret
     per_dest = None
     if isinstance(out, type) and issubclass(out, Outputs):
-        per_dest = {name: _unwrap_optional(tp) for name, tp in typing.get_type_hints(out).items()}
+        try:
+            fields = typing.get_type_hints(out)
+        except Exception as exc:
+            raise ConfigError(
+                f"cannot resolve the annotations of {out.__name__}, the outputs of "
+                f"{cls.__name__}.process: {exc}",
+                path=path,
+            ) from exc
+        per_dest = {name: _unwrap_optional(tp) for name, tp in fields.items()}
     process_batch = getattr(cls, "process_batch", None)
     batched = callable(process_batch)
     if batched and (len(inputs) != 1 or inputs[0].streaming or streaming_out):

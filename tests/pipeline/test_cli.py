@@ -208,6 +208,39 @@ def test_show_stream_prints_the_first_response_as_it_streams(tmp_path: Path) -> 
     assert "3/3 requests ok" in res.stderr
 
 
+@pytest.mark.parametrize("stdout", ["reader gone", "closed"])
+def test_show_stream_to_a_stdout_that_cannot_be_written_still_runs_the_batch(
+    tmp_path: Path, stdout: str
+) -> None:
+    """--show-stream into a pipe whose reader has gone (``| head``), or into a closed
+    stdout: the stream's text is dropped and the batch still runs, its figures on stderr.
+    (The batch never ran and the command exited 1, or with a traceback.)"""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(
+        "stages:\n"
+        "  tokens: {impl: 'tests.pipeline.sample_stages:Tokens'}\n"
+        "  relay: {impl: 'tests.pipeline.sample_stages:Relay'}\n"
+        "edges:\n  - {from: tokens, to: relay}\n"
+    )
+    read, write = os.pipe()
+    if stdout == "reader gone":
+        os.close(read)
+        command = [sys.executable, "-m", "pipeline"]
+    else:
+        os.close(read)
+        command = ["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "pipeline"]
+    try:
+        res = subprocess.run(
+            [*command, "run", str(cfg), "--input", '{"value": "alpha beta"}',
+             "--requests", "3", "--show-stream", "value"],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert res.returncode == 0, res.stderr
+    assert "3/3 requests ok" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
 def test_bad_arguments_are_one_line_errors_not_tracebacks(tmp_path: Path) -> None:
     """Arguments that cannot work fail at once, on one line, with exit status 2: a negative
     request count, an input file that is not UTF-8, a worker's master that is not an
@@ -359,6 +392,20 @@ def test_concurrency_is_at_most_the_number_of_requests(tmp_path: Path) -> None:
                "--requests", "2", "--concurrency", "50")  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "2/2 requests ok" in res.stderr and "at concurrency 2)" in res.stderr
+
+
+def test_concurrency_is_at_most_what_the_pipeline_admits(tmp_path: Path) -> None:
+    """--concurrency above the pipeline's max_inflight starts that many clients, and says
+    so: each client beyond would only wait for a slot (2**31 of them ran out of memory)."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(
+        "defaults: {max_inflight: 3}\nstages:\n  e: {impl: 'tests.pipeline.sample_stages:Echo'}\n"
+    )
+    res = _run("run", str(cfg), "--input", '{"value": "a"}',
+               "--requests", "7", "--concurrency", "2147483648")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "7/7 requests ok" in res.stderr and "at concurrency 3)" in res.stderr
+    assert "--concurrency 2147483648: the pipeline admits 3 requests at once" in res.stderr
 
 
 def test_keys_refuses_an_empty_directory(tmp_path: Path) -> None:

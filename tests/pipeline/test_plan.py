@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
-from pipeline import ConfigError, Context, Pipeline, Stage, Stream
+from pipeline import ConfigError, Context, Outputs, Pipeline, Stage, Stream
 from pipeline._signature import build_plan
 from stages.text import Text, Token
 from tests.pipeline.conftest import spec
@@ -86,6 +86,33 @@ class Misnamed(Stage):
         return x
 
 
+class VarInputs(Stage):
+    """Takes its inputs as ``*args``, which cannot be passed by name."""
+
+    async def process(self, *args: Text, ctx: Context) -> Text:
+        return args[0]
+
+
+class PositionalOnly(Stage):
+    """Takes its input positional-only, which cannot be passed by name."""
+
+    async def process(self, text: Text, /, ctx: Context) -> Text:
+        return text
+
+
+class UnresolvedOutputs(Outputs):
+    """Names a type that does not exist."""
+
+    to: NoSuchType  # type: ignore[name-defined]  # noqa: F821
+
+
+class SendsUnresolved(Stage):
+    """Returns outputs whose annotations cannot be resolved."""
+
+    async def process(self, text: Text, ctx: Context) -> UnresolvedOutputs:
+        return UnresolvedOutputs()
+
+
 def _build(stages: dict[str, str], edges: list[tuple[str, str]], **kw: object) -> Pipeline:
     full = {name: {"impl": impl, **kw} for name, impl in stages.items()}  # type: ignore[dict-item]
     return Pipeline(spec(full, edges))
@@ -99,6 +126,9 @@ def _build(stages: dict[str, str], edges: list[tuple[str, str]], **kw: object) -
         ("tests.pipeline.test_plan:NoCtx", "ctx: Context"),
         ("tests.pipeline.test_plan:Unannotated", "'text' has no type annotation"),
         ("tests.pipeline.test_plan:NoReturn", "no return annotation"),
+        ("tests.pipeline.test_plan:VarInputs", r"parameter '\*args' cannot take an input"),
+        ("tests.pipeline.test_plan:PositionalOnly", r"'text' \(positional-only\) cannot take"),
+        ("tests.pipeline.test_plan:SendsUnresolved", "annotations of UnresolvedOutputs"),
         ("no_such_module_xyz:Stage", "cannot import 'no_such_module_xyz'"),
         ("stages.text:Nope", "has no attribute 'Nope'"),
         ("tests.pipeline.test_plan:Holder.Nope", "has no attribute 'Holder.Nope'"),

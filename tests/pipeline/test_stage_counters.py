@@ -90,8 +90,7 @@ def test_an_edge_into_several_replicas_takes_the_hop_figures_of_them_all() -> No
     client = {"outputs": [{"edge": edge, "chunks": 450, "bytes": 4500, "used": {"inline": 450},
                            "transport": "auto"}], "inputs": []}  # fmt: skip
     console = Console(width=80, record=True)
-    for table in render_tables({"replicas": replicas, "client": client}):
-        console.print(table)
+    print_tables(console, render_tables({"replicas": replicas, "client": client}))
     text = console.export_text()
     (line,) = [x for x in text.splitlines() if edge in x]
     assert "2.00" in line and "9.00" in line, text  # ms, wrapped on 80 columns
@@ -131,3 +130,26 @@ def test_figures_are_never_cut_on_80_columns(names: list[str]) -> None:
         (row,) = [x for x in text.splitlines() if x.strip().startswith(f"{name}[0]") and "ms" in x]
         assert row.split()[-4:] == ["28.09", "ms", "38.12", "ms"], text
     assert "steps 216, mean_batch 4.44" in text
+
+
+def test_names_and_counters_are_plain_text_and_free_columns_keep_their_words() -> None:
+    """A stage's own counter named like rich markup ("cache[/]") is printed as written (it
+    raised MarkupError after a run that succeeded, losing the summary), and on a 60-column
+    terminal the transport columns keep whole words (they were cut to "inl/ine", or
+    dropped, at 60 columns)."""
+    edge = "preprocess->encode"
+    replicas = [
+        {**_replica("[bold]stage", 0, [{"edge": edge, "chunks": 10, "hop_p50_us": 900.0,
+                                        "hop_p99_us": 2000.0}]),
+         "counters": {"cache[/]": 3, "[red]hits": 1}},
+    ]  # fmt: skip
+    client = {"outputs": [{"edge": edge, "chunks": 10, "bytes": 10_000,
+                           "used": {"inline": 10}, "transport": "auto"}], "inputs": []}  # fmt: skip
+    console = Console(width=60, record=True)
+    print_tables(console, render_tables({"replicas": replicas, "client": client}))
+    text = console.export_text()
+    assert "[bold]stage[0]" in text and "cache[/] 3, [red]hits 1" in text, text
+    (header,) = [x for x in text.splitlines() if x.split()[:1] == ["edge"]]
+    assert "transport" in header.split() and "used" in header.split(), text
+    (row,) = [x for x in text.splitlines() if x.strip().startswith(edge)]
+    assert row.split()[4:6] == ["auto", "inline"], text
