@@ -91,6 +91,8 @@ EXIT_TERMINATED = 143
 #: The most requests (or requests in flight) ``run`` takes: more than any batch needs, and
 #: within what ``itertools.islice`` accepts.
 MAX_COUNT = 2**31
+#: The most characters ``run --input-file`` reads: its inputs are all held in memory.
+MAX_INPUT_CHARS = 512 * 2**20
 #: How often ``run`` writes a progress line where no bar shows, in seconds.
 PROGRESS_EVERY_S = 10.0
 
@@ -122,9 +124,12 @@ def _field_names(tp: Any) -> set[str] | None:
     unknown fields itself; else None."""
     if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
         return None
-    if getattr(tp.__struct_config__, "forbid_unknown_fields", False):
+    config = tp.__struct_config__
+    if getattr(config, "forbid_unknown_fields", False):
         return None  # msgspec refuses them already, naming them
-    return set(tp.__struct_encode_fields__)
+    # A tagged Struct's tag field ("type" by default) is part of its own encoding.
+    tag_field = getattr(config, "tag_field", None)
+    return set(tp.__struct_encode_fields__) | ({tag_field} if tag_field else set())
 
 
 def _refuse_unknown_fields(
@@ -157,7 +162,15 @@ def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
     elif args.input_file is not None:
         try:
             # utf-8-sig: a byte-order mark (as some editors save) is not part of line 1.
-            text = Path(args.input_file).read_text(encoding="utf-8-sig")
+            # Read up to a bound: a device (/dev/zero) named by mistake never ends.
+            with open(args.input_file, encoding="utf-8-sig") as f:
+                text = f.read(MAX_INPUT_CHARS + 1)
+            if len(text) > MAX_INPUT_CHARS:
+                raise _Fail(
+                    f"{args.input_file}: more than {MAX_INPUT_CHARS:,} characters: not a "
+                    "file of requests (every input is held in memory: split it)",
+                    EXIT_CONFIG,
+                )
         except OSError as exc:
             raise _Fail(f"cannot read {args.input_file}: {exc.strerror}", EXIT_CONFIG) from exc
         except UnicodeDecodeError as exc:

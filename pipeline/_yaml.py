@@ -224,7 +224,7 @@ class _Walker:
     def __init__(self, loader: yaml.SafeLoader, doc: YamlDocument) -> None:
         self._loader = loader
         self._doc = doc
-        # Anchors can make a node its own descendant; this guards the recursion.
+        # Anchors can make a node its own descendant: refused, see walk().
         self._active: set[int] = set()
         self._walked = 0
 
@@ -245,7 +245,15 @@ class _Walker:
             )
         self._doc.value_lines.setdefault(path, node.start_mark.line + 1)
         if id(node) in self._active:
-            return
+            # An alias inside the node it names: a value that contains itself, which no
+            # spec field can hold (its workers got it as an endless structure).
+            raise ConfigError(
+                "an alias refers to a value that contains it (a recursive structure): a "
+                "spec's values must be plain data",
+                file=self._doc.source,
+                path=".".join(str(p) for p in path) or None,
+                line=node.start_mark.line + 1,
+            )
         self._active.add(id(node))
         try:
             if isinstance(node, yaml.MappingNode):
@@ -313,11 +321,17 @@ class _Walker:
 
 
 def _yaml_error(e: yaml.MarkedYAMLError, source: str) -> ConfigError:
-    """Describe a PyYAML error in one line, at the line of the problem."""
-    mark = e.problem_mark or e.context_mark
+    """Describe a PyYAML error in one line, at the line of the problem: where the construct
+    it was reading began (an unclosed ``{`` or quote), saying where it found the problem."""
+    # "while parsing a flow mapping" (and the like) marks where that construct began.
+    opened = bool(e.context) and str(e.context).startswith("while ")
+    mark = (e.context_mark if opened else None) or e.problem_mark or e.context_mark
     # PyYAML's own text can span lines; a ConfigError is one line.
     parts = [" ".join(p.split()) for p in (e.context, e.problem) if p]
     what = ", ".join(parts) if parts else "syntax error"
+    found = e.problem_mark
+    if mark is not None and found is not None and found.line != mark.line:
+        what += f" (on line {found.line + 1})"
     return ConfigError(
         f"invalid YAML: {what}", file=source, line=mark.line + 1 if mark is not None else None
     )

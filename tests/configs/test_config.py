@@ -263,8 +263,14 @@ def test_helpers_refuse_unknown_names() -> None:
     [
         pytest.param(
             "stages:\n  a: {impl: x\n",
-            "p.yaml:3: invalid YAML: while parsing a flow mapping, expected ',' or '}'",
+            "p.yaml:2: invalid YAML: while parsing a flow mapping, expected ',' or '}'",
             id="malformed-yaml",
+        ),
+        pytest.param(
+            'name: p\nstages:\n  a: {impl: "x:Y}\n\n',
+            "p.yaml:3: invalid YAML: while scanning a quoted scalar, found unexpected end of "
+            "stream (on line 5)",
+            id="unclosed-quote",
         ),
         pytest.param("stages:\n\ta: 1\n", "p.yaml:2: invalid YAML:", id="tab"),
         pytest.param(

@@ -49,6 +49,19 @@ def test_an_endless_file_is_not_read_whole(tmp_path: Path) -> None:
         read_yaml_file("/dev/zero")
 
 
+@pytest.mark.parametrize(
+    "value", ["&p {blob: {self: *p}}", "&p [1, [2, *p]]"], ids=["mapping", "sequence"]
+)
+def test_a_value_that_contains_itself_is_refused(value: str) -> None:
+    """An alias inside the value it names: validate said ok, and every worker then failed
+    to take the spec (an endless structure) until start-up timed out a minute later."""
+    text = STAGES.replace('"stages.text:Split"}', f'"stages.text:Split", params: {value}}}')
+    with pytest.raises(ConfigError, match="contains it") as info:
+        parse_yaml(text, source="loop.yaml")
+    assert info.value.file == "loop.yaml" and info.value.line == 3
+    assert info.value.path is not None and info.value.path.startswith("stages.a.params")
+
+
 def test_a_spec_with_shared_aliases_well_under_the_limit_still_parses() -> None:
     text = STAGES + "x: &x {k: [1, 2, 3]}\ny: [*x, *x, *x]\n"
     assert parse_yaml(text).data["y"] == [{"k": [1, 2, 3]}] * 3

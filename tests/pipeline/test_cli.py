@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pty
@@ -10,8 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
+
+from pipeline import Pipeline, _cli
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -569,3 +573,31 @@ def test_heartbeat_options_take_any_duration() -> None:
     assert [_ms(x, 100, 60_000) for x in (0.01, 1.5, 1e9, float("inf"))] == [
         100, 1500, 60_000, 60_000,
     ]  # fmt: skip
+
+
+def test_an_input_file_that_never_ends_is_refused_at_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--input-file /dev/zero`` (a device named by mistake) was read whole: a MemoryError
+    traceback, or the machine out of memory. Now it is read up to a bound and refused."""
+    monkeypatch.setattr(_cli, "MAX_INPUT_CHARS", 4096)
+    pipe = Pipeline.from_yaml("configs/demo.yaml")
+    args = argparse.Namespace(input=None, input_file="/dev/zero")
+    with pytest.raises(_cli._Fail, match="/dev/zero: more than 4,096 characters") as info:
+        _cli._read_inputs(pipe, args)
+    assert info.value.code == 2
+
+
+class _Tagged(msgspec.Struct, tag=True):
+    value: str
+
+
+def test_a_tagged_source_type_takes_its_own_encoding_as_input() -> None:
+    """A tagged Struct's JSON names its tag field; it was refused as an unknown field."""
+    known = _cli._field_names(_Tagged)
+    assert known == {"type", "value"}
+    _cli._refuse_unknown_fields("--input", '{"type": "_Tagged", "value": "x"}', "_Tagged", known)
+    with pytest.raises(_cli._Fail, match="no field 'valeu'"):
+        _cli._refuse_unknown_fields(
+            "--input", '{"type": "_Tagged", "valeu": "x"}', "_Tagged", known
+        )
