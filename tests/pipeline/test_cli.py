@@ -187,8 +187,8 @@ def test_a_headless_worker_logs_json_lines_even_on_a_terminal(headless: bool) ->
         assert not records, lines
 
 
-def test_show_stream_prints_the_first_response_as_it_streams(tmp_path: Path) -> None:
-    """--show-stream FIELD writes that field of each streamed chunk, in order, before the batch."""
+def _token_relay_config(tmp_path: Path) -> Path:
+    """tokens (streams a token per word) -> relay, written to ``tmp_path/p.yaml``."""
     cfg = tmp_path / "p.yaml"
     cfg.write_text(
         "stages:\n"
@@ -196,6 +196,12 @@ def test_show_stream_prints_the_first_response_as_it_streams(tmp_path: Path) -> 
         "  relay: {impl: 'tests.pipeline.sample_stages:Relay'}\n"
         "edges:\n  - {from: tokens, to: relay}\n"
     )
+    return cfg
+
+
+def test_show_stream_prints_the_first_response_as_it_streams(tmp_path: Path) -> None:
+    """--show-stream FIELD writes that field of each streamed chunk, in order, before the batch."""
+    cfg = _token_relay_config(tmp_path)
     res = _run(
         "run",
         str(cfg),
@@ -219,13 +225,7 @@ def test_show_stream_to_a_stdout_that_cannot_be_written_still_runs_the_batch(
     """--show-stream into a pipe whose reader has gone (``| head``), or into a closed
     stdout: the stream's text is dropped and the batch still runs, its figures on stderr.
     (The batch never ran and the command exited 1, or with a traceback.)"""
-    cfg = tmp_path / "p.yaml"
-    cfg.write_text(
-        "stages:\n"
-        "  tokens: {impl: 'tests.pipeline.sample_stages:Tokens'}\n"
-        "  relay: {impl: 'tests.pipeline.sample_stages:Relay'}\n"
-        "edges:\n  - {from: tokens, to: relay}\n"
-    )
+    cfg = _token_relay_config(tmp_path)
     read, write = os.pipe()
     if stdout == "reader gone":
         os.close(read)
