@@ -102,10 +102,12 @@ class TokenService:
 
         An idle handler ends at once; one mid-reply ends at its next chunk, when writing to
         the closed connection fails, and that aborts its request in every stage. Closing
-        connections rather than cancelling handlers keeps asyncio's server code quiet.
+        connections rather than cancelling handlers keeps asyncio's server code quiet. They
+        are aborted, not closed: a close first sends what is buffered, and a handler waiting
+        for a client that stopped reading would wait with it, for ever.
         """
         for writer in self._clients.values():
-            writer.close()
+            writer.transport.abort()
         if self._clients:
             await asyncio.wait(list(self._clients))
 
@@ -225,6 +227,14 @@ async def serve(config: Path, listening: socket.socket, *, requests: int, foreve
             await server.wait_closed()
 
 
+def _port(text: str) -> int:
+    """A TCP port number, 0 (any free one) to 65535."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0 to 65535)")
+    return port
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the example; returns the exit code (0 ok, 1 a request failed, 2 a bad config or
     port, 3 the pipeline did not start, 130 Ctrl-C)."""
@@ -234,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", type=Path, default=CONFIG, help="the pipeline's YAML")
-    parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free one)")
+    parser.add_argument("--port", type=_port, default=0, help="TCP port (default: any free one)")
     parser.add_argument("--requests", type=int, default=3, help="sample requests the demo sends")
     parser.add_argument("--serve", action="store_true", help="serve until SIGTERM or Ctrl-C")
     args = parser.parse_args(argv)

@@ -190,6 +190,12 @@ _ORIENTATION = 0x0112
 
 def _rgb_array(image: Image.Image, data: bytes) -> NDArray[np.uint8]:
     """``image`` (decoded from ``data``) upright, as ``uint8`` RGB ``(height, width, 3)``."""
+    # How the file stores its pixels, which decoding forgets (it empties the tiles).
+    tiles = getattr(image, "tile", None)  # an ImageFile's (what Image.open gives)
+    raw = tiles[0].args if tiles else None
+    # Decoded here, where a corrupt stream is an error: reading the EXIF of a PNG decodes
+    # it too, and a failure there (taken for a bad EXIF block) left the pixels half made.
+    image.load()
     image = _upright(image)
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):
         # 16-bit grey PNGs: convert() would clip every value above 255, so scale them.
@@ -200,7 +206,7 @@ def _rgb_array(image: Image.Image, data: bytes) -> NDArray[np.uint8]:
             # The transparent grey level is given in 16 bits: compare before scaling.
             grey[wide == key] = 255
         return np.repeat(grey[..., None], 3, axis=2)
-    if _kind(data) == "PNG" and data[24:26] == b"\x10\x02" and "transparency" in image.info:
+    if raw in ("RGB;16B", "RGB;16L") and "transparency" in image.info:
         # A 16-bit RGB PNG whose transparent colour is given in 16 bits: Pillow decodes its
         # pixels to 8 bits, so which of them are that colour can no longer be told.
         raise InvalidRequest(

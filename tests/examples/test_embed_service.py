@@ -123,6 +123,7 @@ async def test_the_service_streams_chunks_fails_bad_lines_alone_and_stops_on_sig
         start_new_session=True,
     )
     assert proc.stderr is not None
+    stalled: socket.socket | None = None
     try:
         async with asyncio.timeout(60):
             port = await _port(proc.stderr)
@@ -168,6 +169,9 @@ async def test_the_service_streams_chunks_fails_bad_lines_alone_and_stops_on_sig
             assert len(reply) == 1 and str(reply[0]["error"]).startswith("bad request line: ")
         assert len(replies[7]) > 1 and replies[7][-1]["done"]
 
+        # A client that stops reading while its replies pile up: SIGTERM must not wait for
+        # it (closing its connection waited to send them, for ever).
+        stalled = await _stalled_client(port)
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
             assert await proc.wait() == 0
@@ -180,9 +184,28 @@ async def test_the_service_streams_chunks_fails_bad_lines_alone_and_stops_on_sig
 
         await wait_for(gone)
     finally:
+        if stalled is not None:
+            stalled.close()
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def _stalled_client(port: int) -> socket.socket:
+    """A connection that sends requests whose error replies are 1 MiB each (they name an
+    unknown field that long) and reads none of them, until the service stops reading."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    line = b'{"prompt": "x", "' + b"A" * 2**20 + b'": 1}\n'
+    for _ in range(32):
+        try:
+            await asyncio.wait_for(loop.sock_sendall(sock, line), 2)
+        except TimeoutError:
+            break  # the service waits for this client to read
+    return sock
 
 
 def test_a_port_in_use_or_a_missing_config_is_one_line_before_anything_starts(
@@ -202,3 +225,10 @@ def test_a_port_in_use_or_a_missing_config_is_one_line_before_anything_starts(
             )  # fmt: skip
             assert done.returncode == 2, done.stderr
             assert done.stderr.startswith(said) and done.stderr.count("\n") == 1, done.stderr
+    # No port at all: argparse's usage line and error (an OverflowError traceback before).
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.embed_service", "--port", "70000"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "70000 is not a TCP port" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

@@ -178,6 +178,13 @@ def _png_header(width: int, height: int, pixel_data: bytes | None = None) -> byt
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + idat + _chunk(b"IEND", b"")
 
 
+def _garbled_idat(width: int, height: int) -> bytes:
+    """An RGB PNG whose IDAT chunk has a right CRC over a compressed stream that is not."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = _chunk(b"IDAT", b"\x78\x9c" + b"\x13" * 40)
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + idat + _chunk(b"IEND", b"")
+
+
 def _jpeg_claiming(width: int, height: int) -> bytes:
     """A real 16x16 JPEG whose frame header is patched to claim ``width`` x ``height``."""
     data = encoded(_rgb(16, 16), "JPEG")
@@ -247,6 +254,11 @@ def test_a_sixteen_bit_transparent_grey_shows_white_and_a_sixteen_bit_rgb_key_is
     rgb = png(2, key + struct.pack(">HHH", 0x1200, 0x5600, 0x9A00), key)
     with pytest.raises(InvalidRequest, match="16-bit RGB PNGs with a transparent colour"):
         _decoded(rgb)
+    # Also with a chunk before IHDR, which Pillow reads (it was told by fixed offsets).
+    signature = b"\x89PNG\r\n\x1a\n"
+    shifted = signature + _chunk(b"tEXt", b"k\x00v") + rgb[len(signature) :]
+    with pytest.raises(InvalidRequest, match="16-bit RGB PNGs with a transparent colour"):
+        _decoded(shifted)
 
 
 def _decoded(data: bytes) -> np.ndarray:
@@ -386,6 +398,11 @@ GOOD_JPEG = encoded(_rgb(64, 64), "JPEG", quality=95)
             r"corrupt or truncated PNG image: broken PNG file \(bad header checksum in b'IDAT'\)",
         ),
         (_png_header(2, 2, b""), "corrupt or truncated PNG image: image file is truncated"),
+        (
+            # Every chunk's CRC right, its compressed pixels not: served half made before.
+            _garbled_idat(8, 8),
+            "corrupt or truncated PNG image: unrecognized data stream",
+        ),
         (b"\xff\xd8\xff\xe0" + bytes(100), "corrupt or truncated JPEG image: unreadable header"),
         (
             GOOD_JPEG[: len(GOOD_JPEG) * 2 // 3],
@@ -402,6 +419,7 @@ GOOD_JPEG = encoded(_rgb(64, 64), "JPEG", quality=95)
         "png-header-cut",
         "png-bad-crc",
         "png-no-pixels",
+        "png-garbled-pixels",
         "jpeg-garbage",
         "jpeg-truncated",
     ],
