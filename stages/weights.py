@@ -14,9 +14,12 @@ everywhere, and its digest can be pinned.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import math
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import TypeVar
@@ -164,6 +167,7 @@ def _generate(path: Path) -> None:
         TensorFileError: the weights generated do not match the pinned digest.
         OSError: ``path`` cannot be written, saying where and what to do.
     """
+    _remove_stale_temporaries(path)
     try:
         digest = write_weights(path, generate_state())
     except OSError as e:
@@ -175,6 +179,21 @@ def _generate(path: Path) -> None:
     if digest != TINY_VLM_DIGEST:
         path.unlink(missing_ok=True)
         raise TensorFileError(f"generated weights have digest {digest}, expected {TINY_VLM_DIGEST}")
+
+
+#: A temporary weights file untouched this long was left by a writer that died (one being
+#: written now, by a worker starting beside this one, is seconds old).
+STALE_TEMPORARY_S = 3600.0
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporary files of writes of ``path`` that were killed before their
+    rename (each a whole model's size); nothing else."""
+    cutoff = time.time() - STALE_TEMPORARY_S
+    for tmp in path.parent.glob(f"{glob.escape(path.name)}*.tmp"):
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+            if tmp.stat().st_mtime < cutoff:
+                tmp.unlink()
 
 
 def _read(path: Path | None, prefix: str) -> tuple[TensorFileHeader, dict[str, torch.Tensor]]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from stages.tensorfile import (
     write_tensor_file,
 )
 from stages.weights import (
+    STALE_TEMPORARY_S,
     TINY_VLM_DIGEST,
     TINY_VLM_SEED,
     cache_dir,
@@ -134,6 +137,21 @@ def test_a_missing_explicit_file_is_generated(tmp_path: Path) -> None:
     assert path.stat().st_mtime_ns == first.st_mtime_ns
     assert read_header(path)[1] == TINY_VLM_DIGEST
     assert not list(path.parent.glob("*.tmp"))
+
+
+def test_a_generation_removes_the_temporaries_of_killed_writes_only(tmp_path: Path) -> None:
+    """A write killed before its rename leaves its temporary file (a model's size each, for
+    good); the next generation removes those left long ago, and not one being written now
+    by a worker starting beside it."""
+    path = tmp_path / "w.swt"
+    old, fresh, other = (tmp_path / f"{name}.tmp" for name in ("w.swtab12", "w.swtcd34", "x.swt1"))
+    for tmp in (old, fresh, other):
+        tmp.write_bytes(b"partial")
+    long_ago = time.time() - 2 * STALE_TEMPORARY_S
+    for tmp in (old, other):
+        os.utime(tmp, (long_ago, long_ago))
+    assert ensure_weights(path) == path
+    assert not old.exists() and fresh.exists() and other.exists()
 
 
 def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
