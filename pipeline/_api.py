@@ -553,31 +553,39 @@ class Pipeline(LoopBound):
     def _close_now(self) -> None:
         """Close a pipeline whose event loop has closed: nothing can be awaited there."""
         with self._now_lock:
-            self._closed = True
-            self._stop_watch()
-            master, self._master = self._master, None
-            launcher, self._launcher = self._launcher, None
-            if launcher is not None:
-                launcher.kill_now(loop_closed=True)
-            if master is not None:
-                master.close_now()
+            self._close_now_locked()
+
+    def _close_now_locked(self) -> None:
+        self._closed = True
+        self._stop_watch()
+        master, self._master = self._master, None
+        launcher, self._launcher = self._launcher, None
+        if launcher is not None:
+            launcher.kill_now(loop_closed=True)
+        if master is not None:
+            master.close_now()
 
     def _stop_watch(self) -> None:
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.stop()
 
-    def _abandoned(self) -> None:
+    def _abandoned(self, watch: LoopWatch) -> None:
         """The loop the pipeline started on closed with the pipeline open (``asyncio.run``
         returned without ``aclose``): nothing there will stop its workers, which wait for a
         silent master while this process lives, so they are stopped now (from the watch's
-        thread)."""
-        if self._master is None and self._launcher is None:
-            return
-        log.warning(
-            "pipeline_abandoned",
-            pipeline=self.spec.name,
-            reason="the event loop it started on closed before it was closed: its workers "
-            "are stopped; use 'async with' or 'await pipe.aclose()'",
-        )
-        self._close_now()
+        thread). Nothing if ``watch`` no longer watches this pipeline: it was closed, and
+        perhaps started again on another loop, meanwhile."""
+        with self._now_lock:
+            if self._watch is not watch:
+                return
+            log.warning(
+                "pipeline_abandoned",
+                pipeline=self.spec.name,
+                reason="the event loop it started on closed before it was closed: its "
+                "workers are stopped; use 'async with' or 'await pipe.aclose()'",
+            )
+            try:
+                self._close_now_locked()
+            except Exception as exc:  # a thread's error would go unseen: logged instead
+                log.error("pipeline_abandon_failed", pipeline=self.spec.name, error=repr(exc))

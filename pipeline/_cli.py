@@ -371,7 +371,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             # a coroutine in memory: --concurrency 2**31 ran the machine out of it).
             admits = pipe.spec.defaults.max_inflight
             clients = max(1, min(args.concurrency, total, admits))
-            if args.concurrency > clients == admits:
+            if admits < min(args.concurrency, total):
                 console.print(
                     f"--concurrency {args.concurrency}: the pipeline admits {admits} requests "
                     "at once (defaults.max_inflight), so that many are in flight"
@@ -589,7 +589,7 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
 
     loop.add_signal_handler(signal.SIGINT, interrupt)
     deadline = loop.time() + args.timeout
-    answered = False
+    answered = started = False
     try:
         # Connecting has its own bound, and says so: no master answered, or it refused.
         async with Pipeline.connect(
@@ -613,6 +613,7 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
                     known = _field_names(pipe.source_type)
                     _refuse_unknown_fields("--input", args.input, name, known)
                 async with pipe.stream(value) as stream:
+                    started = True
                     async for chunk in stream:
                         out = chunk.value if isinstance(chunk, SinkOutput) else chunk
                         sys.stdout.write(to_json(out).decode() + "\n")
@@ -627,6 +628,12 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
             return EXIT_TERMINATED
         console.print("interrupted: the request was cancelled", markup=False)
         return EXIT_INTERRUPTED
+    except PayloadError as exc:
+        if started:
+            raise _submit_failure(exc, args.master, args.timeout, answered=True) from None
+        # Refused by the master before it started the request (this host lacks the source's
+        # type, so could not check it first): the user's own input, exit code 2 as here.
+        raise _Fail(f"PayloadError: --input refused by the master: {exc}", EXIT_CONFIG) from None
     except (TimeoutError, PipelineError) as exc:
         raise _submit_failure(exc, args.master, args.timeout, answered=answered) from None
     finally:

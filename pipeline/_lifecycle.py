@@ -99,15 +99,19 @@ class LoopBound:
 
 
 class LoopWatch:
-    """Calls ``on_closed`` once, from a thread of its own, if ``loop`` closes before
-    :meth:`stop`; checks every ``interval`` seconds.
+    """Calls ``on_closed(watch)`` once, from a thread of its own, if ``loop`` closes before
+    :meth:`stop`; checks every ``interval`` seconds. The callback is handed the watch, to
+    tell whether it still watches what it was started for.
 
     A loop that is merely held (a blocking call, a debugger's breakpoint) or stopped is not
     closed: only a closed loop can never run the object's tasks again.
     """
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, interval: float, on_closed: Callable[[], None]
+        self,
+        loop: asyncio.AbstractEventLoop,
+        interval: float,
+        on_closed: Callable[[LoopWatch], None],
     ) -> None:
         self._loop = loop
         self._interval = interval
@@ -120,7 +124,7 @@ class LoopWatch:
         while not self._stopped.wait(self._interval):
             if self._loop.is_closed():
                 if not self._stopped.is_set():
-                    self._on_closed()
+                    self._on_closed(self)
                 return
 
     def stop(self) -> None:

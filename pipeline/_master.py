@@ -281,8 +281,10 @@ class Master:
         for reader in self._readers:
             reader.start()
         # Connections ZMQ refused before any message (garbage bytes, another protocol,
-        # wrong keys) are counted with the garbage too.
-        self._refusals = [RefusedPeers(sock, self._dropped) for sock in (self.router, self.inbox)]
+        # wrong keys) are counted with the garbage too. Each kept as made: a monitor left
+        # open (the next one failing) would hold the context's termination for ever.
+        for sock in (self.router, self.inbox):
+            self._refusals.append(RefusedPeers(sock, self._dropped))
         self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat()))
         log.info("master_started", endpoint=self.endpoint, pipeline=self.spec.name)
 
@@ -814,7 +816,9 @@ class Master:
         if self._released:
             return
         self._released = True
-        self.startup.fail("the pipeline was closed while it started")
+        with contextlib.suppress(RuntimeError):
+            # Its waiter (a start still waiting) may belong to a loop that has closed.
+            self.startup.fail("the pipeline was closed while it started")
         if self.local is not None:
             with contextlib.suppress(Exception):  # its loop is closed: only sockets to close
                 self.local.close()

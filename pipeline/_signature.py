@@ -172,7 +172,11 @@ def inspect_stage(cls: type[Stage], stage: str) -> StageSignature:
             f"cannot resolve the annotations of {cls.__name__}.process: {exc}", path=path
         ) from exc
     params = list(inspect.signature(process).parameters.values())[1:]
-    if not params or params[-1].name != "ctx":
+    if (
+        not params
+        or params[-1].name != "ctx"
+        or params[-1].kind not in (params[-1].POSITIONAL_OR_KEYWORD, params[-1].KEYWORD_ONLY)
+    ):
         raise ConfigError(
             f"{cls.__name__}.process must take its inputs then 'ctx: Context'", path=path
         )

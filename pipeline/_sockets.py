@@ -340,10 +340,16 @@ class RefusedPeers:
 
     def __init__(self, sock: zmq.Socket[Any], on_refused: Callable[[str], None]) -> None:
         self._on_refused = on_refused
+        #: A CURVE server: a peer with other keys fails its handshake before any check
+        #: that could say so, as a protocol error or with no detail.
+        self._curve = bool(sock.getsockopt(zmq.CURVE_SERVER))
         self._monitor = _Monitor(sock, HANDSHAKE_FAILED, self._on_event)
 
     def _on_event(self, event: int) -> None:
-        self._on_refused(_REFUSED.get(event, "a refused handshake"))
+        why = _REFUSED.get(event, "a refused handshake")
+        if self._curve and event != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = f"a peer without the pipeline's CURVE key pair, or {why}"
+        self._on_refused(why)
 
     def stop(self) -> None:
         """Stop watching; idempotent."""

@@ -596,7 +596,11 @@ class _Worker:
             log.error("rejoin_refused", stage=self.stage, replica=self.replica, reason=str(exc))
             return EXIT_MASTER_LOST
         try:
-            same = PipelineSpec.from_dict(assignment.spec, source="<master>") == spec
+            served = PipelineSpec.from_dict(assignment.spec, source="<master>")
+            # The same pipeline, wherever the master binds and however its keys were given
+            # (the command line fills its ``master`` section: a wildcard for an address, a
+            # path spelt otherwise, the keys by the environment).
+            same = served.model_copy(update={"master": spec.master}) == spec
         except Exception:
             same = False
         if not same:

@@ -320,11 +320,21 @@ class _Walker:
             self._active.discard(id(node))
 
 
+#: The contexts of PyYAML errors about a construct left open: reported where it began.
+_UNCLOSED = (
+    "while parsing a flow",
+    "while scanning a quoted scalar",
+    "while scanning a simple key",
+)
+
+
 def _yaml_error(e: yaml.MarkedYAMLError, source: str) -> ConfigError:
     """Describe a PyYAML error in one line, at the line of the problem: where the construct
     it was reading began (an unclosed ``{`` or quote), saying where it found the problem."""
-    # "while parsing a flow mapping" (and the like) marks where that construct began.
-    opened = bool(e.context) and str(e.context).startswith("while ")
+    # An unclosed construct ("while parsing a flow mapping", "while scanning a quoted
+    # scalar") is at the line it began; anything else (a block mapping's indentation) where
+    # the problem is.
+    opened = str(e.context or "").startswith(_UNCLOSED)
     mark = (e.context_mark if opened else None) or e.problem_mark or e.context_mark
     # PyYAML's own text can span lines; a ConfigError is one line.
     parts = [" ".join(p.split()) for p in (e.context, e.problem) if p]

@@ -135,7 +135,14 @@ class Server:
         self._reader = SocketReader(self._sock, self._on_message, self._on_bad_message)
         self._reader.start()
         # Connections ZMQ refused before any message (garbage bytes, wrong keys) count too.
-        self._refusals = RefusedPeers(self._sock, self._refused)
+        try:
+            self._refusals = RefusedPeers(self._sock, self._refused)
+        except zmq.ZMQError as exc:  # out of descriptors, say
+            self._reader.stop()
+            self._sock.close(linger=0)
+            raise TransportError(
+                f"network sender for edge {self._edge.edge!r}: cannot watch its socket: {exc}"
+            ) from exc
 
     def _bind(self) -> tuple[zmq.Socket[Any], str]:
         """Open and bind the ROUTER; the socket and the endpoint receivers connect to."""

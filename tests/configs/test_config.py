@@ -272,6 +272,17 @@ def test_helpers_refuse_unknown_names() -> None:
             "stream (on line 5)",
             id="unclosed-quote",
         ),
+        pytest.param(
+            "name: x\nstages:\n  a:\n    impl: m:A\n    replicas 2\n    other: 1\n",
+            "p.yaml:5: invalid YAML: while scanning a simple key, could not find expected ':' "
+            "(on line 6)",
+            id="key-without-colon",
+        ),
+        pytest.param(
+            "name: x\nstages:\n  a:\n    impl: m:A\n  b:\n    impl: m:B\n   oops: 1\n",
+            "p.yaml:7: invalid YAML: while parsing a block mapping, expected <block end>",
+            id="bad-indentation",
+        ),
         pytest.param("stages:\n\ta: 1\n", "p.yaml:2: invalid YAML:", id="tab"),
         pytest.param(
             "stages: {a: {impl: 'm:A'}}\n---\nx: 1\n",

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -531,6 +532,54 @@ async def test_outputs_whose_type_this_host_lacks_decode_untyped(tmp_path: Path)
             assert (await pipe.statistics())["untyped"] == ["connect_hidden_stages:Grid"]
     finally:
         kill_all(procs)
+
+
+REMOTE_ONLY = """\
+import msgspec
+
+from pipeline import Context, Stage
+
+
+class Req(msgspec.Struct):
+    n: int
+
+
+class Double(Stage):
+    async def process(self, req: Req, ctx: Context) -> Req:
+        return Req(2 * req.n)
+"""
+
+
+def _submit_to(endpoint: str, value: str) -> subprocess.CompletedProcess[str]:
+    """``stagewire submit`` of ``value`` to ``endpoint``, run to its end."""
+    command = [sys.executable, "-m", "pipeline", "submit", "--master", endpoint, "--input", value]
+    return subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+async def test_submit_of_an_input_the_master_refuses_exits_2(tmp_path: Path) -> None:
+    """A source type only the master's host has: ``submit`` cannot check the input, the
+    master refuses it before starting the request, and that is the user's bad input, exit
+    code 2, as where the type is known (it was 1, a failed request)."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "remote_only_stages.py").write_text(REMOTE_ONLY)
+    config = tmp_path / "remote_only.yaml"
+    config.write_text('stages:\n  double: {impl: "remote_only_stages:Double"}\n')
+    env = {"PYTHONPATH": os.pathsep.join([str(extra), str(ROOT)])}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        endpoint = await _serve(config, tmp_path, procs, env=env)
+        good, bad = [
+            await asyncio.to_thread(_submit_to, endpoint, value)
+            for value in ('{"n": 21}', '{"n": "x"}')
+        ]
+    finally:
+        kill_all(procs)
+    assert good.returncode == 0 and good.stdout.split() == ['{"n":42}'], good.stderr
+    assert bad.returncode == 2, bad.stderr
+    assert "PayloadError: --input refused by the master: " in bad.stderr, bad.stderr
 
 
 async def test_a_master_that_freezes_dies_or_restarts_fails_requests_in_flight(

@@ -5,6 +5,7 @@ after its own loop has closed)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import subprocess
@@ -182,6 +183,45 @@ async def test_a_start_whose_on_listening_raises_closes_what_it_started() -> Non
     assert pipe._master is None and pipe._launcher is None
     async with pipe:
         assert await pipe.submit(Text("again")) == Text("again")
+
+
+async def test_a_watch_that_fires_late_leaves_a_pipeline_started_since_alone() -> None:
+    """The watch of a loop that closed fires after the pipeline was closed and started
+    again on another loop: it must not close the new one (it closed whatever the pipeline
+    held when it fired: the new workers and master)."""
+    async with _relay() as pipe:
+        stale = pipe._watch
+        assert stale is not None
+        pipe._watch = None  # as if closed and started again: a new watch took its place
+        pipe._abandoned(stale)
+        assert pipe._master is not None and pipe.worker_pids
+        assert await pipe.submit(Text("a b")) == Token(1, "b")
+        pipe._watch = stale
+
+
+def test_a_loop_closed_while_its_pipeline_starts_is_cleaned_up_by_the_watch() -> None:
+    """A loop closed by hand while ``start()`` still waits for a worker: the watch closes
+    the pipeline, its workers and the master's sockets. (Waking the start's waiter, on the
+    closed loop, raised in the watch's thread before the sockets were closed.)"""
+    pipe = Pipeline(spec({"h": ":HangingSetup"}, [], heartbeat_interval="100ms",
+                         heartbeat_timeout="1s", startup_timeout="60s"))  # fmt: skip
+    loop = asyncio.new_event_loop()
+    starting = loop.create_task(pipe.start())
+    deadline = time.monotonic() + 30
+    while not pipe.worker_pids and time.monotonic() < deadline:
+        loop.run_until_complete(asyncio.sleep(0.05))
+    pids, master = list(pipe.worker_pids.values()), pipe._master
+    assert pids and master is not None and not starting.done()
+    loop.close()
+    assert wait_exited(pids, 15), pids
+    deadline = time.monotonic() + 15
+    while not master.zctx.closed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert master.zctx.closed and pipe._master is None
+    # Its loop is closed: the start can never finish (closing it now, not at a garbage
+    # collection, keeps its complaint about that out of other tests).
+    with contextlib.suppress(RuntimeError):
+        starting.get_coro().close()  # type: ignore[union-attr]
 
 
 async def test_a_start_that_fails_stops_its_workers_without_a_grace_period() -> None:

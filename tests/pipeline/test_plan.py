@@ -100,6 +100,13 @@ class PositionalOnly(Stage):
         return text
 
 
+class StarCtx(Stage):
+    """Takes its context as ``**ctx``, which gets no Context."""
+
+    async def process(self, text: Text, **ctx: Context) -> Text:
+        return text
+
+
 class UnresolvedOutputs(Outputs):
     """Names a type that does not exist."""
 
@@ -129,6 +136,7 @@ def _build(stages: dict[str, str], edges: list[tuple[str, str]], **kw: object) -
         ("tests.pipeline.test_plan:VarInputs", r"parameter '\*args' cannot take an input"),
         ("tests.pipeline.test_plan:PositionalOnly", r"'text' \(positional-only\) cannot take"),
         ("tests.pipeline.test_plan:SendsUnresolved", "annotations of UnresolvedOutputs"),
+        ("tests.pipeline.test_plan:StarCtx", "then 'ctx: Context'"),
         ("no_such_module_xyz:Stage", "cannot import 'no_such_module_xyz'"),
         ("stages.text:Nope", "has no attribute 'Nope'"),
         ("tests.pipeline.test_plan:Holder.Nope", "has no attribute 'Holder.Nope'"),
