@@ -418,6 +418,7 @@ class Pipeline(LoopBound):
             )
             # A worker declared dead for silence is ended, so that its slot is restarted.
             master.on_silent = launcher.kill_hung
+            master.on_ready = launcher.became_ready
         try:
             if launcher is not None:
                 await launcher.start_all()

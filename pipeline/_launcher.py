@@ -29,8 +29,10 @@ __all__ = ("LocalLauncher",)
 
 log = structlog.get_logger("stagewire.launcher")
 
-#: A worker that ran this long before it exited had recovered: its restart budget (and
-#: backoff) start afresh, so crashes days apart never use it up.
+#: A worker that served this long (since its master counted it ready) before it exited had
+#: recovered: its restart budget (and backoff) start afresh, so crashes days apart never
+#: use it up. Time spent in setup does not count: a restart whose setup hangs until the
+#: master kills it, or fails late, never recovered.
 STABLE_S = 60.0
 
 
@@ -44,7 +46,7 @@ class LocalLauncher:
         on_exit: Callable[[str, int, int, int], None],
         *,
         max_restarts: int = 3,
-        stable_s: float = STABLE_S,
+        stable_s: float | None = None,
         on_given_up: Callable[[str, int], None] | None = None,
         keys: CurveKeys | None = None,
     ) -> None:
@@ -65,9 +67,11 @@ class LocalLauncher:
         self._watchers: list[asyncio.Task[None]] = []
         self._closing = False
         self._max_restarts = max_restarts
-        self._stable_s = stable_s
-        #: Restarts since each slot's worker last ran for ``stable_s`` (the budget used).
+        self._stable_s = STABLE_S if stable_s is None else stable_s
+        #: Restarts since each slot's worker last served for ``stable_s`` (the budget used).
         self.restarts: dict[tuple[str, int], int] = {}
+        #: When each running worker became ready (its master says so), by pid.
+        self._ready_at: dict[int, float] = {}
         #: Restart crashed workers; set once the pipeline is up (before that, a worker
         #: that exits is a start-up failure to report, not to retry).
         self.supervise = False
@@ -149,10 +153,17 @@ class LocalLauncher:
         )
         return proc.pid
 
+    def became_ready(self, stage: str, replica: int, pid: int) -> None:
+        """The master counts the replica ready: it serves from now on, if ``pid`` is the
+        slot's process (stability is timed from here, see :data:`STABLE_S`)."""
+        proc = self.procs.get((stage, replica))
+        if proc is not None and proc.pid == pid and proc.returncode is None:
+            self._ready_at[pid] = asyncio.get_running_loop().time()
+
     async def _watch(self, stage: str, replica: int, proc: asyncio.subprocess.Process) -> None:
         loop = asyncio.get_running_loop()
-        began = loop.time()
         code = await proc.wait()
+        ready_at = self._ready_at.pop(proc.pid, None)
         self._forget_pidfd(proc.pid)
         if self._closing:
             return
@@ -162,7 +173,7 @@ class LocalLauncher:
         log.warning("worker_exited", stage=stage, replica=replica, pid=proc.pid, code=code)
         self._on_exit(stage, replica, code, proc.pid)
         key = (stage, replica)
-        if loop.time() - began >= self._stable_s:
+        if ready_at is not None and loop.time() - ready_at >= self._stable_s:
             self.restarts[key] = 0
         done = self.restarts.get(key, 0)
         # A worker that crashed, was killed, or failed its setup once the pipeline was up

@@ -226,6 +226,8 @@ class Master:
         #: silence while its process may still run (hung, or stopped): whoever started it
         #: can end it, so that its slot is restarted.
         self.on_silent: Callable[[str, int, int], object] | None = None
+        #: Told (stage, replica, local pid) when a replica of this host becomes ready.
+        self.on_ready: Callable[[str, int, int], object] | None = None
         self._readers: list[SocketReader] = []
         self._refusals: list[RefusedPeers] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -411,6 +413,9 @@ class Master:
                 rep.ready = True
                 self.orch.replica_ready(rep.stage, rep.replica)
                 log.info("replica_ready", stage=rep.stage, replica=rep.replica, pid=rep.pid)
+                pid = local_pid(rep.pid, rep.pidns) if rep.host == self.host else 0
+                if pid and self.on_ready is not None:
+                    self.on_ready(rep.stage, rep.replica, pid)
                 if all(k in self.replicas and self.replicas[k].ready for k in self.expected):
                     self.startup.ready.set()
             case SetupFailed(message=message, traceback=trace):
@@ -750,7 +755,11 @@ class Master:
                     if pid and self.on_silent is not None:
                         self.on_silent(rep.stage, rep.replica, pid)
                 else:
-                    self._send(rep.identity, Heartbeat("@master", 0))
+                    beat = Heartbeat("@master", 0)
+                    self._send(rep.identity, beat)
+                    # And to its heartbeat thread, which judges the master when a handler
+                    # holds the worker's loop (see Pulse._judge_master).
+                    self._send(pulse_identity(rep.identity), beat)
 
     async def wait_ready(self, timeout: float) -> None:
         """Wait until every expected replica is ready.

@@ -17,6 +17,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -29,7 +30,7 @@ from pipeline._sockets import for_endpoint
 
 __all__ = ("Pulse", "Reporter", "pulse_identity")
 
-_decode_ask = msgspec.msgpack.Decoder(ReportAsk).decode
+_decode_from_master = msgspec.msgpack.Decoder(ReportAsk | Heartbeat).decode
 #: Messages read per wake-up at most; any more wait for the next (the master sends one
 #: ask per death).
 _MAX_ASKS = 64
@@ -78,6 +79,9 @@ class Pulse:
         interval: float,
         reporter: Reporter,
         report_every: float,
+        *,
+        master_timeout: float = 0.0,
+        on_master_lost: Callable[[float], None] | None = None,
     ) -> None:
         self._zctx = zctx
         self._master = master
@@ -91,8 +95,15 @@ class Pulse:
         # stop() writes here, waking the thread out of its poll.
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._run, name="stagewire-pulse", daemon=True)
-        #: Messages read on this thread's socket that were not a ReportAsk, dropped.
+        #: Messages read on this thread's socket that were not the master's, dropped.
         self.garbage = 0
+        #: Called (from this thread, with the seconds of silence) once the master has been
+        #: silent here, and the event loop held, for ``master_timeout``: the loop cannot
+        #: judge the master while a handler holds it (None: never; see _Worker).
+        self._on_master_lost = on_master_lost
+        self._master_timeout = master_timeout
+        #: When the master was last heard on this thread's socket (its beats come here too).
+        self.master_seen = time.monotonic()
 
     def start(self) -> None:
         """Start beating."""
@@ -143,11 +154,23 @@ class Pulse:
                 wait_ms = math.ceil(min(max(due - time.monotonic(), 0.0) * 1000, report_ms))
                 if poller.poll(wait_ms):
                     asked = self._read_asks(sock) or asked
+                self._judge_master(reporter)
         finally:
             sock.close(linger=0)
 
+    def _judge_master(self, reporter: Reporter) -> None:
+        """Tell ``on_master_lost`` if the master and the event loop have both been silent
+        for ``master_timeout``: a worker whose handler holds its loop for good would
+        otherwise outlive a master killed -9 for ever."""
+        if self._on_master_lost is None:
+            return
+        silent = time.monotonic() - self.master_seen
+        if silent > self._master_timeout and reporter.stalled() > self._master_timeout:
+            self._on_master_lost(silent)
+
     def _read_asks(self, sock: zmq.Socket[Any]) -> int:
-        """The token of the latest ask waiting on ``sock`` (0: none); garbage is counted."""
+        """The token of the latest ask waiting on ``sock`` (0: none); the master's beats
+        say it lives; garbage is counted."""
         token = 0
         for _ in range(_MAX_ASKS):
             try:
@@ -155,9 +178,13 @@ class Pulse:
             except zmq.Again:
                 break
             try:
-                token = _decode_ask(frame).token
+                msg = _decode_from_master(frame)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self.garbage += 1
+                continue
+            self.master_seen = time.monotonic()
+            if isinstance(msg, ReportAsk):
+                token = msg.token
         return token
 
     def stop(self) -> None:

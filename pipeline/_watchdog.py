@@ -6,7 +6,8 @@ gives it back (a model step caught in a loop, a read that never returns) keeps t
 ever happening, and the worker outlived its master: killed with ``kill -9``, the master
 took the launcher with it, and nothing was left to send the SIGKILL that follows.
 
-The signal's handler arms a :class:`Watchdog`, whose thread then ends the process once the
+The signal's handler (a hand-started worker's at a second signal: the first lets a slow
+model step finish) arms a :class:`Watchdog`, whose thread then ends the process once the
 loop has not run for the grace period since (or once the stop as a whole has taken much
 longer than that, its loop free but a teardown awaiting for ever), after removing what the
 process would remove at a clean exit (its shm segments, its CUDA IPC files).
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 import structlog
 
-__all__ = ("EXIT_STOP_OVERDUE", "STOP_LIMIT_GRACES", "Watchdog")
+__all__ = ("EXIT_STOP_OVERDUE", "STOP_LIMIT_GRACES", "Watchdog", "end_now")
 
 log = structlog.get_logger("stagewire.worker")
 
@@ -62,9 +63,12 @@ class Watchdog:
         """Start watching (idle until armed)."""
         self._thread.start()
 
-    def arm(self) -> None:
-        """A stop was asked for: start the countdown (a later call keeps the first's)."""
+    def arm(self, code: int | None = None) -> None:
+        """A stop was asked for: start the countdown (a later call keeps the first's), to
+        end with ``code`` (default: as a SIGTERM would) unless the worker is exiting."""
         if not self._armed_at:
+            if code is not None and not self._exiting:
+                self._code = code
             self._armed_at = time.monotonic()
 
     def exiting(self, code: int) -> None:
@@ -102,9 +106,15 @@ class Watchdog:
             )
             + "; the worker ends without finishing it",
         )
-        remove_own_leftovers()
-        sys.stderr.flush()
-        os._exit(self._code)
+        end_now(self._code)
+
+
+def end_now(code: int) -> None:
+    """End this process with ``code`` at once, removing its leftovers first (from any
+    thread: its event loop may be held for good)."""
+    remove_own_leftovers()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def remove_own_leftovers() -> None:

@@ -100,7 +100,7 @@ from pipeline._sockets import (
     new_context,
 )
 from pipeline._stage import Stage
-from pipeline._watchdog import Watchdog
+from pipeline._watchdog import Watchdog, end_now
 from transports._liveness import local_pid, pid_namespace
 from transports.inline import MAX_DATA_FRAME
 
@@ -253,6 +253,8 @@ class _Worker:
         self._ticker: asyncio.TimerHandle | None = None
         #: Signals handled here while the replica serves (their default restored after).
         self.handled: list[signal.Signals] = []
+        #: Whether a stop signal came (a plain attribute: set by a signal handler).
+        self.signalled = False
         #: Armed by a signal to stop: ends the process if its loop never comes back.
         self.watchdog: Watchdog | None = None
         #: Told by the master that it does not count this worker as serving: it registers
@@ -487,6 +489,10 @@ class _Worker:
             spec.defaults.heartbeat_interval,
             _Reports(self),
             spec.defaults.report_interval,
+            # A launched worker ends with its master's process (its parent-death signal),
+            # and waits while that lives; one started by hand judges it here too.
+            master_timeout=2 * spec.defaults.heartbeat_timeout,
+            on_master_lost=None if self.launched else self._master_lost_while_held,
         )
         pulse.start()
         try:
@@ -621,6 +627,18 @@ class _Worker:
         log.warning("rejoined", stage=self.stage, replica=self.replica, endpoint=self.endpoint)
         return None
 
+    def _master_lost_while_held(self, silent: float) -> None:
+        """From the heartbeat thread: the master has been silent, and a handler has held
+        the event loop, for twice the heartbeat timeout. The loop cannot see the master go
+        (it judges it between handlers), so the process ends here, exit code 4."""
+        log.error(
+            "master_lost",
+            stage=self.stage,
+            silent_for=round(silent, 1),
+            reason="a handler holds the event loop: the worker ends without finishing it",
+        )
+        end_now(EXIT_MASTER_LOST)
+
     def _tick(self) -> None:
         """Note that the loop runs, every ``tick_every`` seconds while the worker lives."""
         self.loop_tick = time.monotonic()
@@ -635,14 +653,20 @@ class _Worker:
             self._ticker = None
 
     def _on_signal(self, sig: signal.Signals, stop: Callable[[], None]) -> None:
-        """Have ``sig`` call ``stop`` on the loop, and arm the watchdog."""
+        """Have ``sig`` call ``stop`` on the loop, and arm the watchdog: at the first signal
+        for a launched worker (its master's process may be gone, the kernel's signal at
+        its death: nothing else would end it), at the second for one started by hand
+        (whoever stops it, a person or a service manager, can insist; a slow model step
+        must be let finish, not cut short twice the heartbeat timeout after a Ctrl-C)."""
         loop = asyncio.get_running_loop()
         watchdog = self.watchdog
         assert watchdog is not None
 
         def handler(signum: int, frame: object) -> None:
             # No lock taken here: a second signal runs this nested inside the first.
-            watchdog.arm()
+            if self.launched or self.signalled:
+                watchdog.arm(128 + signum)  # the code the signal would have ended it with
+            self.signalled = True
             if not loop.is_closed():
                 loop.call_soon_threadsafe(stop)
 

@@ -766,6 +766,81 @@ async def test_a_worker_its_master_does_not_count_registers_again_its_stage_stil
         kill_all(procs)
 
 
+#: tokens -> hold, where hold's handler holds its loop until a line comes through the FIFO
+#: named by LINGER_FIFO; a heartbeat timeout of 0.5 s (a watchdog grace of 1 s).
+_HOLD_CONFIG = (
+    "name: hold\n"
+    "defaults: {heartbeat_interval: 100ms, heartbeat_timeout: 500ms}\n"
+    "stages:\n"
+    '  tokens: {impl: "tests.pipeline.sample_stages:Tokens"}\n'
+    '  hold: {impl: "tests.pipeline.sample_stages:HoldsLoop"}\n'
+    "edges:\n  - {from: tokens, to: hold}\n"
+)
+
+
+async def test_a_hand_started_worker_finishes_a_long_step_after_one_ctrl_c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C at a worker started by hand while its handler holds the loop for longer than
+    twice the heartbeat timeout (a long model step): the step finishes, its request is
+    answered, and the worker exits 130. (Its watchdog killed it a grace after the signal:
+    exit 143, the request failed.) A second Ctrl-C would arm the watchdog."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("LINGER_FIFO", str(fifo))
+    config = tmp_path / "hold.yaml"
+    config.write_text(_HOLD_CONFIG)
+    master, procs = await _serving(config, tmp_path)
+    (holder,) = [p for p in procs[1:] if "--stage hold" in " ".join(map(str, p.args))]
+    try:
+        asking = _submitting(master, '{"value": "a b"}')
+        procs.append(asking)
+        # The handler holds its loop from the moment it opens the FIFO for reading.
+        writer = await asyncio.wait_for(asyncio.to_thread(fifo.open, "w"), 30)
+        with writer:
+            holder.send_signal(signal.SIGINT)
+            with pytest.raises(subprocess.TimeoutExpired):  # past the 1 s grace: alive
+                await asyncio.to_thread(holder.wait, 2.5)
+            writer.write("go\n")
+        assert asking.stdout is not None
+        assert (await asyncio.to_thread(asking.stdout.readline)).strip() == b'{"value":"a b"}'
+        asking.stdout.close()
+        assert await asyncio.to_thread(holder.wait, 30) == 130
+        assert "stop_overdue" not in (tmp_path / "hold.err").read_text()
+    finally:
+        kill_all(procs)
+
+
+async def test_a_hand_started_worker_whose_handler_holds_its_loop_outlives_no_master(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker started by hand whose handler holds its loop for good, its master killed
+    -9: its heartbeat thread, which hears the master's beats too, ends it (exit 4) once the
+    master and the loop have both been silent twice the heartbeat timeout. (Only its loop
+    judged the master, so it ran for ever.)"""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("LINGER_FIFO", str(fifo))
+    config = tmp_path / "hold.yaml"
+    config.write_text(_HOLD_CONFIG)
+    master, procs = await _serving(config, tmp_path)
+    (holder,) = [p for p in procs[1:] if "--stage hold" in " ".join(map(str, p.args))]
+    asking = _submitting(master, '{"value": "a b"}')
+    procs.append(asking)
+    try:
+        # The handler holds its loop from the moment it opens the FIFO for reading.
+        writer = await asyncio.wait_for(asyncio.to_thread(fifo.open, "w"), 30)
+        with writer:
+            procs[0].kill()
+            assert await asyncio.to_thread(holder.wait, 30) == 4
+        text = (tmp_path / "hold.err").read_text()
+        assert "master_lost" in text and "a handler holds the event loop" in text, text
+    finally:
+        kill_all(procs)
+        assert asking.stdout is not None
+        asking.stdout.close()
+
+
 async def test_a_worker_whose_restarted_master_serves_another_pipeline_exits_4(
     tmp_path: Path,
 ) -> None:

@@ -1027,7 +1027,11 @@ async def test_a_restart_whose_setup_hangs_is_restarted_then_given_up(tmp_path: 
     slot for good: registered, never ready, never timed (only start-up was), so it was
     neither restarted nor given up, and every request waited ``replica_wait`` for it. Past
     ``startup_timeout`` it is now declared dead and killed, restarted within the budget,
-    then given up: requests fail at once, saying no replica is being restarted."""
+    then given up: requests fail at once, saying no replica is being restarted. However
+    long each restart lived before it was killed (``stable_s`` is 0 here): the budget
+    renews only for a worker that served that long, and one that never became ready did
+    not (with the defaults, a restart killed ``startup_timeout`` after registering had
+    always lived ``stable_s``, and the slot was restarted for ever)."""
     s = spec(
         {"echo": {"impl": ":HangsWhenRestarted", "env": {"HANG_MARKER": str(tmp_path / "m")}}},
         [],
@@ -1036,6 +1040,8 @@ async def test_a_restart_whose_setup_hangs_is_restarted_then_given_up(tmp_path: 
         replica_wait="60s",
     )
     async with Pipeline(s) as pipe:
+        assert pipe._launcher is not None
+        pipe._launcher._stable_s = 0.0
         assert await pipe.submit(Text("one")) == Text("one")
         os.kill(pipe.worker_pids[("echo", 0)], signal.SIGKILL)
 
