@@ -789,8 +789,10 @@ class StageActor:
                 return
             # SystemExit and KeyboardInterrupt too: raised by a handler (sys.exit() on a bad
             # input), they are its failure, not the worker's end, which would fail every
-            # request of the replica and, a few times over, the stage for good.
-            except (Exception, SystemExit, KeyboardInterrupt) as exc:
+            # request of the replica and, a few times over, the stage for good. So is any
+            # other BaseException (GeneratorExit, a library's own): unreported, it ended
+            # the task and the request hung.
+            except BaseException as exc:
                 self._handler_failed(req, exc)
                 _let_go(exc, kwargs)
                 return
@@ -1029,13 +1031,14 @@ class StageActor:
         for its next chunk starts over (for at most ``HELD_LIMIT`` chunk timeouts in all:
         this handler may itself be what holds the producer up, see ``ReorderBuffer.alive``),
         and this stage's own consumers of the request, who wait for what that chunk would
-        make, are told in turn."""
+        make, are told in turn: also while its handler has not started (nothing came on
+        any input yet), when they wait for its first output."""
         req = self._requests.get(msg.request_id)
         inflow = req.inflows.get(msg.edge) if req is not None else None
         if req is None or inflow is None:
             return
         inflow.buffer.alive()
-        if inflow.buffer.waiting:
+        if inflow.buffer.waiting or not req.started:
             self._tell_held(req, None)
 
     def _full_elsewhere(self, req: _Request, edge: str) -> str | None:

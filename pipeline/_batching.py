@@ -112,8 +112,9 @@ class Batcher:
                 # batch fails, the next one runs.
                 self._fail(batch, RuntimeError(_OWN_CANCEL))
                 return
-            # As a handler's (see StageActor._run): the batch's failure, not the worker's end.
-            except (Exception, SystemExit, KeyboardInterrupt) as exc:
+            # As a handler's (see StageActor._run): the batch's failure, not the worker's end
+            # (any BaseException: one uncaught ended the batcher, and every request with it).
+            except BaseException as exc:
                 self._fail(batch, exc)
                 return
             for (_, _, fut, _), result in zip(batch, results, strict=True):

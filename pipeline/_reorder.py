@@ -282,10 +282,15 @@ class ReorderBuffer(Generic[T]):
         deadline starts over, ``chunk_timeout`` from now, up to :data:`HELD_LIMIT` chunk
         timeouts from the wait's start. Past that the wait ends in a ChunkGap all the same,
         saying so: what holds the producer up may be this very consumer (a join reading
-        another input to its end first), and a wait without end would hang the request."""
+        another input to its end first), and a wait without end would hang the request.
+
+        A wait for a first chunk that was not timed (``time_first`` False) is timed from
+        now on: the producer has begun the request, and is stuck."""
         waiter = self._waiter
-        if waiter is None or self._untimed or math.isinf(self._timeout):
+        if waiter is None or math.isinf(self._timeout):
             return
+        if self._untimed:
+            self._arm(waiter.get_loop())
         limit = self._began + HELD_LIMIT * self._timeout
         if self._deadline < limit:
             self._deadline = min(waiter.get_loop().time() + self._timeout, limit)

@@ -193,6 +193,10 @@ class _NoMessage(Exception):
         raise AttributeError("no detail")
 
 
+class _LibraryAbort(BaseException):
+    """A library's own BaseException (as greenlet's GreenletExit): no Exception."""
+
+
 class Misbehaves(Stage):
     """Echoes; fails as its input says, in ways a handler's own code may."""
 
@@ -200,6 +204,8 @@ class Misbehaves(Stage):
         match text.value:
             case "sys.exit":
                 raise SystemExit(3)
+            case "base exception":
+                raise _LibraryAbort("aborted by the library")
             case "keyboard interrupt":
                 raise KeyboardInterrupt
             case "no message":
@@ -222,6 +228,8 @@ class Misbehaves(Stage):
         """As process, for a whole batch."""
         if any(t.value == "sys.exit" for t in texts):
             raise SystemExit(3)
+        if any(t.value == "base exception" for t in texts):
+            raise _LibraryAbort("aborted by the library")
         return texts
 
 
@@ -779,6 +787,14 @@ class ToBothSides(Stage):
     async def process(self, text: Text, ctx: Context) -> AsyncIterator[Sides]:
         for i in range(int(text.value)):
             yield Sides(left=Token(i, f"l{i}"), right=Token(i, f"r{i}"))
+
+
+class ToRightOnly(Stage):
+    """Streams ``int(text)`` tokens to 'right' alone: 'left' gets its stream's end only."""
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Sides]:
+        for i in range(int(text.value)):
+            yield Sides(right=Token(i, f"r{i}"))
 
 
 class LeftThenRight(Stage):

@@ -150,6 +150,24 @@ async def test_a_join_that_starves_one_input_says_so_when_the_other_gaps() -> No
             await asyncio.wait_for(pipe.submit(Text("200")), 20)
 
 
+async def test_a_join_waiting_for_a_first_chunk_that_never_comes_gaps_rather_than_hangs() -> None:
+    """One producer streams to the right branch alone while the join reads its left input
+    first: the join waits for left's first chunk (untimed: a producer may start late), the
+    producer waits for the join's credit on the right. The left relay, whose handler never
+    started, passed on nothing, and the join waited for ever. The producer's Held notices
+    now reach the join through it, and the wait ends after HELD_LIMIT chunk timeouts."""
+    s = spec(
+        {"fan": ":ToRightOnly", "left": ":Relay", "right": ":Relay", "join": ":LeftThenRight"},
+        [("fan", "left"), ("fan", "right"), ("left", "join"), ("right", "join")],
+        window=4,
+        chunk_timeout="1s",
+    )
+    async with Pipeline(s) as pipe:
+        assert await asyncio.wait_for(pipe.submit(Text("2")), 10) == Text("0/2")
+        with pytest.raises(ChunkGap, match="chunk 0 on edge 'left->join' did not arrive"):
+            await asyncio.wait_for(pipe.submit(Text("50")), 5 + HELD_LIMIT)
+
+
 async def test_a_join_that_holds_up_its_own_producer_gaps_rather_than_hangs() -> None:
     """left streams to right (a relay) and to the join, which reads left's stream to its
     end first: right waits for the join's credit, left for right's, and the join for left.

@@ -73,6 +73,8 @@ async def test_stage_exception_fails_only_that_request(chain: Pipeline) -> None:
         ("another pipeline's stage", "StageUnavailable: stage 'inner' unavailable", 1),
         ("another pipeline's stage, no id", "StageUnavailable: stage 'inner' unavailable", 1),
         ("sys.exit", "SystemExit: 3", 4),  # from process_batch
+        ("base exception", "_LibraryAbort: aborted by the library", 1),
+        ("base exception", "_LibraryAbort: aborted by the library", 4),
     ],
     ids=[
         "exit",
@@ -83,6 +85,8 @@ async def test_stage_exception_fails_only_that_request(chain: Pipeline) -> None:
         "unavailable",
         "no id",
         "batch exit",
+        "base exception",
+        "batch base exception",
     ],
 )
 async def test_whatever_a_handler_raises_fails_that_request_alone(
@@ -91,7 +95,8 @@ async def test_whatever_a_handler_raises_fails_that_request_alone(
     """Each of these ended worse: sys.exit() in a handler (or in process_batch) ended its
     worker, failing every request of the replica (and, after three restarts, the stage
     for good); an exception whose message cannot be made, or a ChunkGap from a pipeline
-    the handler calls, killed the handler's task unreported, and the request hung; another
+    the handler calls, or a library's own BaseException, killed the handler's task (or the
+    batcher's) unreported, and the request hung; another
     pipeline's StageUnavailable blamed a stage of that pipeline; a message of tens of MB
     passed the control messages' size cap, and the worker's link to its master dropped."""
     async with Pipeline(spec({"n": {"impl": ":Misbehaves", "max_batch_size": batch}}, [])) as pipe:
