@@ -778,13 +778,11 @@ _HOLD_CONFIG = (
 )
 
 
-async def test_a_hand_started_worker_finishes_a_long_step_after_one_ctrl_c(
+async def _holding(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Ctrl-C at a worker started by hand while its handler holds the loop for longer than
-    twice the heartbeat timeout (a long model step): the step finishes, its request is
-    answered, and the worker exits 130. (Its watchdog killed it a grace after the signal:
-    exit 143, the request failed.) A second Ctrl-C would arm the watchdog."""
+) -> tuple[Path, str, list[subprocess.Popen[bytes]], subprocess.Popen[bytes]]:
+    """A master serving _HOLD_CONFIG with hand-started workers: the FIFO that lets the
+    handler go on, the master's endpoint, every process, and the hold stage's worker."""
     fifo = tmp_path / "go"
     os.mkfifo(fifo)
     monkeypatch.setenv("LINGER_FIFO", str(fifo))
@@ -792,6 +790,17 @@ async def test_a_hand_started_worker_finishes_a_long_step_after_one_ctrl_c(
     config.write_text(_HOLD_CONFIG)
     master, procs = await _serving(config, tmp_path)
     (holder,) = [p for p in procs[1:] if "--stage hold" in " ".join(map(str, p.args))]
+    return fifo, master, procs, holder
+
+
+async def test_a_hand_started_worker_finishes_a_long_step_after_one_ctrl_c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C at a worker started by hand while its handler holds the loop for longer than
+    twice the heartbeat timeout (a long model step): the step finishes, its request is
+    answered, and the worker exits 130. (Its watchdog killed it a grace after the signal:
+    exit 143, the request failed.) A second Ctrl-C would arm the watchdog."""
+    fifo, master, procs, holder = await _holding(tmp_path, monkeypatch)
     try:
         asking = _submitting(master, '{"value": "a b"}')
         procs.append(asking)
@@ -818,13 +827,7 @@ async def test_a_hand_started_worker_whose_handler_holds_its_loop_outlives_no_ma
     -9: its heartbeat thread, which hears the master's beats too, ends it (exit 4) once the
     master and the loop have both been silent twice the heartbeat timeout. (Only its loop
     judged the master, so it ran for ever.)"""
-    fifo = tmp_path / "go"
-    os.mkfifo(fifo)
-    monkeypatch.setenv("LINGER_FIFO", str(fifo))
-    config = tmp_path / "hold.yaml"
-    config.write_text(_HOLD_CONFIG)
-    master, procs = await _serving(config, tmp_path)
-    (holder,) = [p for p in procs[1:] if "--stage hold" in " ".join(map(str, p.args))]
+    fifo, master, procs, holder = await _holding(tmp_path, monkeypatch)
     asking = _submitting(master, '{"value": "a b"}')
     procs.append(asking)
     try:
