@@ -207,17 +207,13 @@ def test_a_loop_closed_while_its_pipeline_starts_is_cleaned_up_by_the_watch() ->
                          heartbeat_timeout="1s", startup_timeout="60s"))  # fmt: skip
     loop = asyncio.new_event_loop()
     starting = loop.create_task(pipe.start())
-    deadline = time.monotonic() + 30
-    while not pipe.worker_pids and time.monotonic() < deadline:
-        loop.run_until_complete(asyncio.sleep(0.05))
+    loop.run_until_complete(wait_for(lambda: bool(pipe.worker_pids), 30))
     pids, master = list(pipe.worker_pids.values()), pipe._master
     assert pids and master is not None and not starting.done()
     loop.close()
     assert wait_exited(pids, 15), pids
-    deadline = time.monotonic() + 15
-    while not master.zctx.closed and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert master.zctx.closed and pipe._master is None
+    asyncio.run(wait_for(lambda: master.zctx.closed, 15))  # the watch closes it next
+    assert pipe._master is None
     # Its loop is closed: the start can never finish (closing it now, not at a garbage
     # collection, keeps its complaint about that out of other tests).
     with contextlib.suppress(RuntimeError):

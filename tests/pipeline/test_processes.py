@@ -20,7 +20,7 @@ from pipeline import Pipeline, PipelineError, PipelineSpec, StageUnavailable
 from pipeline._config import MasterSpec
 from stages.text import Text
 from tests.pipeline.conftest import spec, wait_for
-from tests.procs import alive, children
+from tests.procs import alive, children, wait_exited
 from transports._shm_segment import PREFIX, list_segments
 
 
@@ -727,8 +727,9 @@ async def test_an_embedding_loop_held_past_the_heartbeat_timeout_keeps_its_worke
     async with Pipeline(s) as pipe:
         assert await pipe.submit(Text("before")) == Text("before")
         pids = dict(pipe.worker_pids)
-        # The loop held, on purpose: the master is silent for 2.5x a worker's patience.
-        time.sleep(3.0)  # noqa: ASYNC251
+        # The loop held, on purpose, for 2.5x a worker's patience: the master is silent,
+        # and no worker may exit meanwhile (they used to, with code 4).
+        assert not wait_exited(list(pids.values()), 3.0)
         assert await asyncio.wait_for(pipe.submit(Text("after")), 30) == Text("after")
         assert dict(pipe.worker_pids) == pids
         assert all(alive(p) for p in pids.values()), pids
