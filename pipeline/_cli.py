@@ -292,7 +292,12 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
         next_line = time.monotonic() + every
         try:
             while not (await asyncio.wait([starting], timeout=0.5))[0]:
-                missing = pipe.waiting_for() if listening else []
+                try:
+                    missing = pipe.waiting_for() if listening else []
+                except RuntimeError:
+                    # The start failed and is closing the pipeline: its error comes next.
+                    # (It escaped as a traceback, exit 1, when a look fell in that close.)
+                    missing = []
                 if missing:
                     waiting = f"waiting for {len(missing)} of {workers} workers: "
                     status.update(waiting + escape(", ".join(missing)))
