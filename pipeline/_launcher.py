@@ -46,7 +46,7 @@ class LocalLauncher:
         on_exit: Callable[[str, int, int, int], None],
         *,
         max_restarts: int = 3,
-        stable_s: float | None = None,
+        stable_s: float = STABLE_S,
         on_given_up: Callable[[str, int], None] | None = None,
         keys: CurveKeys | None = None,
     ) -> None:
@@ -67,7 +67,7 @@ class LocalLauncher:
         self._watchers: list[asyncio.Task[None]] = []
         self._closing = False
         self._max_restarts = max_restarts
-        self._stable_s = STABLE_S if stable_s is None else stable_s
+        self._stable_s = stable_s
         #: Restarts since each slot's worker last served for ``stable_s`` (the budget used).
         self.restarts: dict[tuple[str, int], int] = {}
         #: When each running worker became ready (its master says so), by pid.

@@ -708,7 +708,7 @@ class _Worker:
         once per silence, and exits with the process (its parent-death signal).
         """
         assert self.actor is not None
-        silent_since = 0.0  # when the current silence was noted; 0: none
+        noted = False  # whether the current silence was logged
         while not self.stop.is_set():
             self.actor.sweep(time.monotonic())
             if time.monotonic() - self.last_seen > master_timeout:
@@ -717,12 +717,12 @@ class _Worker:
                 self.control_reader.drain_now()
             silent = time.monotonic() - self.last_seen
             if silent <= master_timeout:
-                if silent_since:
+                if noted:
                     log.info("master_heard_again", stage=self.stage, replica=self.replica)
-                    silent_since = 0.0
+                    noted = False
             elif self.parent and os.getppid() == self.parent:
-                if not silent_since:
-                    silent_since = time.monotonic()
+                if not noted:
+                    noted = True
                     log.warning(
                         "master_silent",
                         stage=self.stage,
