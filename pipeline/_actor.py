@@ -258,6 +258,14 @@ class StageActor:
         self._sem = asyncio.Semaphore(plan.spec.max_concurrency)
         self._streaming_out = plan.signature.streaming_output
         self._stream_params = frozenset(i.name for i in plan.signature.inputs if i.streaming)
+        #: The edges whose single chunk the handler needs before it can be called, and
+        #: those read as streams: see ``_maybe_start``.
+        self._single_edges = tuple(
+            e.name for p, e in plan.inputs.items() if p not in self._stream_params
+        )
+        self._stream_edges = tuple(
+            e.name for p, e in plan.inputs.items() if p in self._stream_params
+        )
         self._per_dest = plan.signature.per_destination is not None
         if len(self._outputs) == 1 and not self._per_dest:
             self._only_output = next(iter(self._outputs.items()))
@@ -717,14 +725,30 @@ class StageActor:
         return req
 
     def _maybe_start(self, req: _Request) -> None:
+        """Start the handler of ``req`` once it can do something: every input read as one
+        chunk has its chunk, and one read as a stream (if any is) has begun.
+
+        A handler waits for a slot (``max_concurrency``) as soon as it starts. A join that
+        took one on its first input's chunk, to wait in it for another input, could wait
+        for ever: that input's producer, busy with a request this stage has not begun,
+        waits for this stage's credit for it, which needs the slot. The handler cannot be
+        called without its single-chunk inputs, so waiting for them outside the slot
+        costs nothing; nor can a stream join's handler read before a stream begins.
+        """
         if req.started or req.route is None:
             return
-        for inflow in req.inflows.values():
-            buffer = inflow.buffer
-            if buffer.buffered or buffer.delivered:
-                break
-        else:
-            return
+        inflows = req.inflows
+        for edge in self._single_edges:
+            buffer = inflows[edge].buffer
+            if not (buffer.buffered or buffer.delivered):
+                return
+        if self._stream_edges:
+            for edge in self._stream_edges:
+                buffer = inflows[edge].buffer
+                if buffer.buffered or buffer.delivered:
+                    break
+            else:
+                return
         req.started = True
         if self._starting is not None:
             self._starting.append(req)

@@ -820,3 +820,23 @@ class ExplodingParams(Stage):
 
     async def process(self, text: Text, ctx: Context) -> Text:
         return text
+
+
+class EchoWhenToldIfWaiting(Stage):
+    """Returns its input; one beginning with 'wait' only once a line comes through the FIFO
+    named by LINGER_FIFO."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        if text.value.startswith("wait"):
+            await _line_through_fifo()
+        return text
+
+
+class OneThenStream(Stage):
+    """Joins one chunk from 'a' and a stream from 'b': returns a's text and b's length."""
+
+    async def process(self, a: Text, b: Stream[Token], ctx: Context) -> Text:
+        n = 0
+        async for _ in b:
+            n += 1
+        return Text(f"{len(a.value.split())}/{n}")

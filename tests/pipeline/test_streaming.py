@@ -282,3 +282,56 @@ async def test_a_request_queued_behind_a_busy_branch_does_not_starve_the_other()
         second = await asyncio.wait_for(pipe.submit(Text(b)), 60)
         assert await first == {"relay": Text(a), "count": Text("21")}
         assert second == {"relay": Text(b), "count": Text("40")}
+
+
+def _told(fifo: str) -> bool:
+    """Write a line to ``fifo`` if a stage reads it; False while none has it open."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        os.write(fd, b"go\n")
+    finally:
+        os.close(fd)
+    return True
+
+
+async def _chunks_in(pipe: Pipeline, stage: str, edge: str) -> int:
+    stats = await pipe.statistics()
+    return sum(
+        i["chunks"]
+        for r in stats["replicas"]
+        if r["stage"] == stage
+        for i in r["inputs"]
+        if i["edge"] == edge
+    )
+
+
+async def test_a_join_takes_no_slot_before_an_input_it_cannot_start_without(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    """join (max_concurrency 1) reads a's one chunk, then b's stream. A's text waits in gate,
+    so b (max_concurrency 1) streams B first. join took its only slot for A as soon as a's
+    chunk came, to wait there for b's A stream; b, past the share of a window a request not
+    yet read may take, waited for join's credit for B. Nothing moved, for ever: no Held
+    reached join for a request b had not begun. A join now waits for its single-chunk
+    inputs and for one of its streams to begin before it takes a slot."""
+    fifo = os.path.join(str(tmp_path), "go")
+    os.mkfifo(fifo)
+    s = spec(
+        {"src": ":Echo", "a": ":Echo",
+         "gate": {"impl": ":EchoWhenToldIfWaiting", "env": {"LINGER_FIFO": fifo}},
+         "b": {"impl": ":Tokens", "max_concurrency": 1},
+         "join": {"impl": ":OneThenStream", "max_concurrency": 1}},
+        [("src", "a"), ("src", "gate"), ("gate", "b"), ("a", "join"), ("b", "join")],
+        window=4, chunk_timeout="1s",
+    )  # fmt: skip
+    first = "wait " + " ".join(f"a{i}" for i in range(39))
+    second = " ".join(f"b{i}" for i in range(60))
+    async with Pipeline(s) as pipe:
+        a_run = asyncio.ensure_future(pipe.submit(Text(first)))
+        await wait_for(functools.partial(_chunks_in, pipe, "join", "a->join"), 30)
+        assert await asyncio.wait_for(pipe.submit(Text(second)), 30) == Text("60/60")
+        await wait_for(functools.partial(_told, fifo), 30)
+        assert await asyncio.wait_for(a_run, 30) == Text("40/40")
