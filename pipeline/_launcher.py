@@ -175,21 +175,35 @@ class LocalLauncher:
         key = (stage, replica)
         if ready_at is not None and loop.time() - ready_at >= self._stable_s:
             self.restarts[key] = 0
-        done = self.restarts.get(key, 0)
         # A worker that crashed, was killed, or failed its setup once the pipeline was up
         # (a transient error, as memory its predecessor still held) is restarted, with
         # backoff, a bounded number of times in a row, and takes its slot back. One that
-        # exited cleanly was told to; one that failed at start-up fails the start.
-        if not self.supervise or code == 0 or done >= self._max_restarts:
-            if self.supervise and self._on_given_up is not None:
-                self._on_given_up(stage, replica)
+        # exited cleanly was told to; one that failed at start-up fails the start. A
+        # restart that cannot even be spawned (out of processes, memory or descriptors)
+        # uses an attempt of the same budget.
+        while True:
+            done = self.restarts.get(key, 0)
+            if not self.supervise or code == 0 or done >= self._max_restarts:
+                if self.supervise and self._on_given_up is not None:
+                    self._on_given_up(stage, replica)
+                return
+            self.restarts[key] = done + 1
+            await asyncio.sleep(min(5.0, 0.25 * 2**done))
+            if not self._closing:  # (closed during the backoff: nothing to restart)
+                log.info("worker_restarting", stage=stage, replica=replica, attempt=done + 1)
+                try:
+                    # Shielded: once spawning starts it completes, so the process is tracked.
+                    await asyncio.shield(self.start(stage, replica))
+                except OSError as exc:
+                    log.warning(
+                        "worker_restart_failed",
+                        stage=stage,
+                        replica=replica,
+                        attempt=done + 1,
+                        error=str(exc),
+                    )
+                    continue
             return
-        self.restarts[key] = done + 1
-        await asyncio.sleep(min(5.0, 0.25 * 2**done))
-        if not self._closing:
-            log.info("worker_restarting", stage=stage, replica=replica, attempt=done + 1)
-            # Shielded: once spawning starts it completes, so the process is tracked.
-            await asyncio.shield(self.start(stage, replica))
 
     def kill_hung(self, stage: str, replica: int, pid: int) -> bool:
         """SIGKILL the replica's process if it is ``pid``, one this launcher started and still

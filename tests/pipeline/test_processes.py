@@ -1056,6 +1056,45 @@ async def test_a_restart_whose_setup_hangs_is_restarted_then_given_up(tmp_path: 
                 await pipe.submit(Text("two"))
 
 
+#: An environment string longer than the kernel takes in one exec (E2BIG): what makes the
+#: spawn of a restart fail here, as running out of processes or memory would.
+_TOO_LONG = "x" * (1 << 18)
+
+
+@pytest.mark.parametrize("spawns_again", [False, True], ids=["never", "at the second try"])
+async def test_a_restart_that_cannot_be_spawned_is_tried_again_then_given_up(
+    spawns_again: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart whose spawn raised (E2BIG here; EAGAIN or ENOMEM on a loaded host) ended
+    its slot's watcher with an error nobody read: the slot was neither restarted nor given
+    up, and every request waited ``replica_wait`` for it. A spawn that fails now uses an
+    attempt of the restart budget: the slot comes back once a spawn succeeds, or is given
+    up when none does."""
+    s = spec({"echo": ":Echo"}, [], heartbeat_interval="200ms", replica_wait="60s")
+    async with Pipeline(s) as pipe:
+        launcher = pipe._launcher
+        assert launcher is not None
+        assert await pipe.submit(Text("one")) == Text("one")
+        monkeypatch.setenv("STAGEWIRE_TEST_TOO_LONG", _TOO_LONG)
+        victim = pipe.worker_pids[("echo", 0)]
+        os.kill(victim, signal.SIGKILL)
+        if spawns_again:
+            # The budget's second attempt is counted once the first one's spawn failed.
+            await wait_for(lambda: launcher.restarts.get(("echo", 0), 0) >= 2, timeout=20)
+            monkeypatch.delenv("STAGEWIRE_TEST_TOO_LONG")
+            await wait_for(lambda: pipe.worker_pids.get(("echo", 0), victim) != victim, 20)
+            assert await asyncio.wait_for(pipe.submit(Text("two")), 30) == Text("two")
+            return
+
+        def given_up() -> bool:
+            return pipe._master_here().orch.replicas["echo"][0].given_up
+
+        await wait_for(given_up, timeout=20)
+        async with asyncio.timeout(20):  # not replica_wait's 60 s
+            with pytest.raises(StageUnavailable, match="none is being restarted"):
+                await pipe.submit(Text("two"))
+
+
 async def test_new_requests_avoid_a_replica_whose_loop_a_handler_holds(tmp_path: Path) -> None:
     """A replica whose handler holds its event loop still beats (from a thread of its own),
     so the master took it for a healthy one; its stuck request aborted, it looked the least
