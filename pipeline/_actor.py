@@ -166,6 +166,7 @@ class _Request:
         "inflows",
         "request_id",
         "route",
+        "slot",
         "started",
         "targets",
         "task",
@@ -185,6 +186,8 @@ class _Request:
         self.task: asyncio.Task[None] | None = None
         self.ctx: Context | None = None
         self.started = False
+        #: Its handler holds one of the replica's ``max_concurrency`` slots.
+        self.slot = False
         self.created = time.monotonic()
 
 
@@ -726,14 +729,14 @@ class StageActor:
 
     def _maybe_start(self, req: _Request) -> None:
         """Start the handler of ``req`` once it can do something: every input read as one
-        chunk has its chunk, and one read as a stream (if any is) has begun.
+        chunk has its chunk (or, with none such, a stream has begun).
 
         A handler waits for a slot (``max_concurrency``) as soon as it starts. A join that
         took one on its first input's chunk, to wait in it for another input, could wait
         for ever: that input's producer, busy with a request this stage has not begun,
         waits for this stage's credit for it, which needs the slot. The handler cannot be
-        called without its single-chunk inputs, so waiting for them outside the slot
-        costs nothing; nor can a stream join's handler read before a stream begins.
+        called without its single-chunk inputs, so it waits for them outside its slot; a
+        wait for a stream's first chunk gives the slot up (``_next_in_turn``).
         """
         if req.started or req.route is None:
             return
@@ -742,7 +745,7 @@ class StageActor:
             buffer = inflows[edge].buffer
             if not (buffer.buffered or buffer.delivered):
                 return
-        if self._stream_edges:
+        if not self._single_edges:
             for edge in self._stream_edges:
                 buffer = inflows[edge].buffer
                 if buffer.buffered or buffer.delivered:
@@ -766,7 +769,9 @@ class StageActor:
 
     async def _run(self, req: _Request, ctx: Context) -> None:
         rid = req.request_id
-        async with self._sem:
+        await self._sem.acquire()
+        req.slot = True
+        try:
             t0 = time.perf_counter()
             self.counts["started"] += 1
             kwargs: dict[str, Any] = {}
@@ -776,7 +781,7 @@ class StageActor:
                         channel = self._inputs_by_edge[edge.name][1]
                         inflow = req.inflows[edge.name]
                         kwargs[param] = Stream(
-                            functools.partial(channel.next, inflow),
+                            functools.partial(self._next_in_turn, req, channel, inflow),
                             functools.partial(channel.poll, inflow),
                         )
                     else:
@@ -829,6 +834,45 @@ class StageActor:
                 req.task = None
                 self._note_ended(req)
                 self.forget(rid)
+        finally:
+            if req.slot:
+                req.slot = False
+                self._sem.release()
+
+    async def _next_in_turn(self, req: _Request, channel: InputChannel, inflow: Inflow) -> Any:
+        """The next payload of a stream input of ``req``'s handler (``channel.next``), its
+        slot given up while it waits for the stream's first chunk.
+
+        A join that waits in its slot for a producer still busy with another request may
+        wait for ever: that producer may itself wait for this stage's credit for a request
+        the stage has not begun, which needs a slot. The handler takes a slot back once
+        the chunk is here, before it reads it (a read cancelled meanwhile leaves the chunk
+        for the next read).
+
+        Raises:
+            What ``InputChannel.next`` raises.
+        """
+        buffer = inflow.buffer
+        if (
+            req.slot
+            and not (buffer.delivered or buffer.buffered)
+            and inflow.held is None
+            and inflow.fetching is None
+        ):
+            req.slot = False
+            self._sem.release()
+            try:
+                await channel.arrival(inflow)
+            except EndOfChannel:
+                await self._retake_slot(req)  # an empty stream: the handler goes on
+                raise
+            # (Any other error ends the request, and is not held up waiting for a slot.)
+            await self._retake_slot(req)
+        return await channel.next(inflow)
+
+    async def _retake_slot(self, req: _Request) -> None:
+        await self._sem.acquire()
+        req.slot = True
 
     def _note_ended(self, req: _Request) -> None:
         """The handler of ``req`` ended: its inputs are no longer needed (read to their ends,

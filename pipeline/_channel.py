@@ -1067,8 +1067,8 @@ class InputChannel:
         It needs none when its chunk is buffered and carried inline: a busy stream of small
         chunks is read this way without a coroutine. It raises what :meth:`next` raises.
         """
-        if inflow.fetching is not None:
-            return NOT_READY  # a chunk before the buffered ones is still being fetched
+        if inflow.fetching is not None or inflow.held is not None:
+            return NOT_READY  # a chunk before the buffered ones is being fetched, or taken
         got = inflow.buffer.get_nowait()
         if got is None:
             return NOT_READY
@@ -1111,6 +1111,19 @@ class InputChannel:
             inflow.fetching = (asyncio.ensure_future(fetching), item, final)
             return await self._fetched(inflow)
         return self._deliver(inflow, item, final)
+
+    async def arrival(self, inflow: Inflow) -> None:
+        """Wait until the next chunk of a request on this edge is here, and take it for the
+        next read (:meth:`next`), which returns it. Cancelling the wait loses nothing.
+
+        Raises:
+            EndOfChannel: the stream has ended.
+            ChunkGap: the chunk did not arrive within the chunk timeout.
+            RequestAborted: the request was aborted.
+        """
+        if inflow.held is None and inflow.fetching is None:
+            got = inflow.buffer.get_nowait()
+            inflow.held = got if got is not None else await inflow.buffer.get()
 
     async def _fetched(self, inflow: Inflow) -> Any:
         """The payload of the fetch under way, returning credit.

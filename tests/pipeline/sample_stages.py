@@ -840,3 +840,14 @@ class OneThenStream(Stage):
         async for _ in b:
             n += 1
         return Text(f"{len(a.value.split())}/{n}")
+
+
+class StreamThenStream(Stage):
+    """Joins two streams, 'a' (read first, to its end) and 'b': returns both lengths."""
+
+    async def process(self, a: Stream[Text], b: Stream[Token], ctx: Context) -> Text:
+        words = sum([len(t.value.split()) async for t in a])
+        n = 0
+        async for _ in b:
+            n += 1
+        return Text(f"{words}/{n}")

@@ -370,3 +370,25 @@ async def test_requests_noted_as_queued_are_forgotten_once_released_unread(
     finally:
         await wire.inp.aclose()
         await wire.out.aclose()
+
+
+async def test_a_chunk_taken_on_its_arrival_is_the_next_one_read() -> None:
+    """A handler waiting for a stream's first chunk without its slot takes the chunk as it
+    arrives (``arrival``) and reads it once it has a slot again; a read cancelled between
+    the two leaves it taken. The next read, by ``poll`` as by ``next``, must return that
+    chunk, not the one after it."""
+    wire = _Wire(_plan(window=8, window_bytes=1_000_000))
+    waiting = asyncio.ensure_future(wire.inp.arrival(wire.inflow))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # nothing came yet
+    await wire.produce([10, 20, 30])
+    wire.deliver()
+    await waiting
+    assert wire.inp.poll(wire.inflow) is NOT_READY
+    assert (await wire.inp.next(wire.inflow)).seq == 0
+    assert wire.inp.poll(wire.inflow).seq == 1
+    await wire.inp.arrival(wire.inflow)
+    assert wire.inp.poll(wire.inflow) is NOT_READY
+    assert (await wire.inp.next(wire.inflow)).seq == 2
+    with pytest.raises(EndOfChannel):
+        await wire.inp.next(wire.inflow)

@@ -308,22 +308,24 @@ async def _chunks_in(pipe: Pipeline, stage: str, edge: str) -> int:
     )
 
 
-async def test_a_join_takes_no_slot_before_an_input_it_cannot_start_without(
-    tmp_path: pytest.TempPathFactory,
+@pytest.mark.parametrize("join", [":OneThenStream", ":StreamThenStream"], ids=["one", "stream"])
+async def test_a_join_waiting_for_a_streams_first_chunk_holds_no_slot(
+    tmp_path: pytest.TempPathFactory, join: str
 ) -> None:
-    """join (max_concurrency 1) reads a's one chunk, then b's stream. A's text waits in gate,
+    """join (max_concurrency 1) reads a's chunk, then b's stream. A's text waits in gate,
     so b (max_concurrency 1) streams B first. join took its only slot for A as soon as a's
     chunk came, to wait there for b's A stream; b, past the share of a window a request not
     yet read may take, waited for join's credit for B. Nothing moved, for ever: no Held
-    reached join for a request b had not begun. A join now waits for its single-chunk
-    inputs and for one of its streams to begin before it takes a slot."""
+    reached join for a request b had not begun. A handler now waits for its single-chunk
+    inputs before it takes a slot, and gives its slot up while it waits for the first chunk
+    of a stream."""
     fifo = os.path.join(str(tmp_path), "go")
     os.mkfifo(fifo)
     s = spec(
         {"src": ":Echo", "a": ":Echo",
          "gate": {"impl": ":EchoWhenToldIfWaiting", "env": {"LINGER_FIFO": fifo}},
          "b": {"impl": ":Tokens", "max_concurrency": 1},
-         "join": {"impl": ":OneThenStream", "max_concurrency": 1}},
+         "join": {"impl": join, "max_concurrency": 1}},
         [("src", "a"), ("src", "gate"), ("gate", "b"), ("a", "join"), ("b", "join")],
         window=4, chunk_timeout="1s",
     )  # fmt: skip
