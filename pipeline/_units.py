@@ -241,13 +241,15 @@ StageName = Annotated[
 ImportPath = Annotated[str, _shaped("import path", _IMPORT_PATH, "'package.module:Class'")]
 #: Where a stage runs: ``cpu``, ``cuda`` or ``cuda:N``.
 Device = Annotated[str, _shaped("device", r"cpu|cuda(?::\d+)?", "cpu, cuda or cuda:N")]
-#: A ZeroMQ endpoint to bind: ``tcp://HOST:PORT`` or ``ipc://PATH``.
+#: A ZeroMQ endpoint to bind: ``tcp://HOST:PORT`` or ``ipc://PATH``. Not ``ipc://*``:
+#: ZeroMQ would make a directory for it that nothing removes.
 BindAddress = Annotated[
     str,
     _shaped(
         "bind address",
-        rf"tcp://(?:\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):{_PORT}|ipc://.+",
-        "tcp://HOST:PORT or ipc://PATH",
+        rf"tcp://(?:\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):{_PORT}|ipc://(?!\*$).+",
+        "tcp://HOST:PORT or ipc://PATH (a path: for ipc://* ZeroMQ makes a directory that "
+        "nothing removes)",
     ),
 ]
 #: A transport: a built-in kind, an entry-point name, or ``package.module:Class``.

@@ -406,6 +406,11 @@ def test_helpers_refuse_unknown_names() -> None:
             id="bad-bind",
         ),
         pytest.param(
+            "master:\n  bind: ipc://*\nstages: {a: {impl: 'm:A'}}\n",
+            "p.yaml:2: master.bind: invalid bind address 'ipc://*'",
+            id="ipc-wildcard",
+        ),
+        pytest.param(
             "stages: {a: {impl: 'm:A'}, b: {impl: 'm:B'}}\nedges:\n- from: a\n  to: b\n"
             "  transport: 'not/a kind'\n",
             "p.yaml:5: edges.0.transport.kind: invalid transport 'not/a kind'",
