@@ -411,6 +411,16 @@ def test_helpers_refuse_unknown_names() -> None:
             id="ipc-wildcard",
         ),
         pytest.param(
+            "stages:\n  a: {impl: 'm:A'}\n  true: {impl: 'm:B'}\n",
+            "p.yaml:3: stages.true: key true is read as bool, not a string: quote it ('true')",
+            id="bool-stage-name",
+        ),
+        pytest.param(
+            "stages:\n  7: {impl: 'm:B'}\n",
+            "p.yaml:2: stages.7: key 7 is read as int, not a string: quote it ('7')",
+            id="int-stage-name",
+        ),
+        pytest.param(
             "stages: {a: {impl: 'm:A'}, b: {impl: 'm:B'}}\nedges:\n- from: a\n  to: b\n"
             "  transport: 'not/a kind'\n",
             "p.yaml:5: edges.0.transport.kind: invalid transport 'not/a kind'",
