@@ -34,7 +34,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import msgspec
 import structlog
@@ -281,8 +281,7 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
                     f"  stagewire worker --master {endpoint} --stage {stage} --replica {k}"
                     + with_keys
                 )
-        sys.stderr.write("\n".join(lines) + "\n")
-        sys.stderr.flush()
+        _say(console, "\n".join(lines))
 
     timeout = pipe.spec.defaults.startup_timeout
     with console.status(f"waiting for {workers} workers (up to {timeout:g}s)") as status:
@@ -302,8 +301,7 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
                     waiting = f"waiting for {len(missing)} of {workers} workers: "
                     status.update(waiting + escape(", ".join(missing)))
                     if not console.is_terminal and time.monotonic() >= next_line:
-                        sys.stderr.write(waiting + ", ".join(missing) + "\n")
-                        sys.stderr.flush()
+                        _say(console, waiting + ", ".join(missing))
                         next_line = time.monotonic() + every
             await starting
         except PipelineError as exc:
@@ -437,8 +435,7 @@ async def _progress_lines(
     async def tick() -> None:
         while True:
             await asyncio.sleep(every)
-            sys.stderr.write(line() + "\n")
-            sys.stderr.flush()
+            _say(console, line())
 
     ticker = asyncio.ensure_future(tick())
     try:
@@ -529,11 +526,11 @@ async def _master(args: argparse.Namespace, console: Console) -> int:
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in before:
         loop.add_signal_handler(sig, stop.set)
-    sys.stderr.write(
+    _say(
+        console,
         f"serving {pipe.spec.name}: stagewire submit --master {_named(pipe.master_endpoint)} "
-        "--input JSON (Ctrl-C stops the master and its workers)\n"
+        "--input JSON (Ctrl-C stops the master and its workers)",
     )
-    sys.stderr.flush()
     try:
         await stop.wait()
     finally:
@@ -921,19 +918,40 @@ def _on_sigterm_interrupt() -> list[bool]:
 
 
 def _interrupted(terminated: list[bool]) -> int:
-    if terminated[0]:
-        sys.stderr.write("terminated\n")
-        return EXIT_TERMINATED
-    sys.stderr.write("interrupted\n")
-    return EXIT_INTERRUPTED
+    with contextlib.suppress(OSError, ValueError):  # (a stderr whose reader has gone)
+        sys.stderr.write("terminated\n" if terminated[0] else "interrupted\n")
+        sys.stderr.flush()
+    return EXIT_TERMINATED if terminated[0] else EXIT_INTERRUPTED
 
 
 def _quiet_stdout() -> None:
     """Point stdout at /dev/null, so that flushing it at exit does not fail again."""
-    with contextlib.suppress(OSError):
+    _to_devnull(sys.stdout)
+
+
+def _to_devnull(stream: TextIO | None) -> None:
+    """Point ``stream``'s descriptor at /dev/null: what is still buffered, and all that is
+    written later (by this process or a worker sharing it), goes nowhere, without errors."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        try:
+            os.dup2(devnull, stream.fileno())  # type: ignore[union-attr]
+        finally:
+            os.close(devnull)
+
+
+class _Console(Console):
+    """The command's console, on stderr. Once its reader has gone (``2>&1 | head``), the
+    rest is dropped and the command goes on to its own exit status (rich exits 1)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        _to_devnull(sys.stderr)
+
+
+def _say(console: Console, text: str) -> None:
+    """Write ``text`` as a line to the console as it is (no markup, never wrapped)."""
+    console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
 def _main(argv: list[str]) -> int:
@@ -943,7 +961,7 @@ def _main(argv: list[str]) -> int:
         _collector.pause()
     configure_logging()
     # Off a terminal (CI logs, pipes) keep table rows and error lines unwrapped.
-    console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    console = _Console(stderr=True, width=None if sys.stderr.isatty() else 160)
     try:
         if args.command == "validate":
             return _validate(args, console)

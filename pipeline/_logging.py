@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, TextIO, cast
 
 import structlog
 
@@ -30,6 +30,33 @@ def count_dropped(logger: Any, event: str, before: int, n: int = 1, **context: A
     if any(before < m <= after for m in _MILESTONES):
         logger.warning(event, count=after, **context)
     return after
+
+
+class Unfailing:
+    """A text stream for log lines that never raises into the code that logs: once it
+    cannot be written (its reader has gone, as in ``stagewire run ... 2>&1 | head``, or it
+    was closed), lines are dropped. A log line must not fail what logged it."""
+
+    __slots__ = ("__weakref__", "_stream", "broken")
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                self._stream.write(text)
+            except (OSError, ValueError):  # ValueError: the stream was closed
+                self.broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self.broken = True
 
 
 def configure_logging(level: str | None = None, *, json: bool | None = None) -> None:
@@ -54,6 +81,6 @@ def configure_logging(level: str | None = None, *, json: bool | None = None) -> 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(name)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(cast(TextIO, Unfailing(sys.stderr))),
         cache_logger_on_first_use=True,
     )

@@ -534,6 +534,27 @@ def test_a_reader_that_stops_early_ends_the_outputs_quietly(tmp_path: Path) -> N
     assert "3000/3000 requests ok" in err, err
 
 
+def test_a_reader_of_both_streams_that_stops_early_leaves_the_run_its_status() -> None:
+    """``stagewire run ... 2>&1 | head -1``: once the reader has gone, whatever the command
+    still writes, outputs, progress or figures (or a worker's log line), is dropped, and
+    the run ends with its own exit status. The console's first write into the broken pipe
+    used to end the command with status 1."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "run", "configs/demo.yaml", "--input-file",
+         "configs/demo-inputs.jsonl", "--requests", "2000", "--print-outputs"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline()
+        proc.stdout.close()
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_validate_checks_the_key_pair_the_config_names(tmp_path: Path) -> None:
     """A ``master.keys`` directory without a pair passed ``validate`` and then failed
     ``run``: both refuse it now, on one line naming the file, field and line, exit 2."""

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from typing import Any
 
-from pipeline._logging import count_dropped
+import pytest
+import structlog
+
+from pipeline._logging import configure_logging, count_dropped
 
 
 class _Recorder:
@@ -29,3 +35,25 @@ def test_drops_are_logged_as_their_count_passes_each_power_of_ten() -> None:
     # A run that passes several milestones at once is one line.
     log.lines.clear()
     assert count_dropped(log, "x", 0, 50_000) == 50_000 and len(log.lines) == 1
+
+
+def test_a_log_line_into_a_stderr_whose_reader_has_gone_raises_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker shares its command's stderr: with ``2>&1 | head`` its reader goes, and a
+    warning logged then raised BrokenPipeError into the code that logged it (a handler's
+    failure report, a garbage count). Lines that cannot be written are dropped now."""
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as broken:
+        monkeypatch.setattr(sys, "stderr", broken)
+        configure_logging("info", json=True)
+        try:
+            log = structlog.get_logger("stagewire.test")
+            log.warning("first", n=1)
+            log.error("second", n=2)
+        finally:
+            monkeypatch.undo()
+            configure_logging()
+        with contextlib.suppress(BrokenPipeError):
+            broken.close()
