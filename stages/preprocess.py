@@ -213,12 +213,23 @@ def _rgb_array(image: Image.Image, data: bytes) -> NDArray[np.uint8]:
             "16-bit RGB PNGs with a transparent colour (tRNS) are not supported; "
             "send 8-bit RGB, or an alpha channel"
         )
+    low_bits = _LOW_GREY_BITS.get(raw) if isinstance(raw, str) else None
+    key = image.info.get("transparency")
+    if low_bits is not None and isinstance(key, int) and image.mode == "L":
+        # A 2- or 4-bit grey PNG: Pillow scales its levels to 8 bits (1 of 4 bits is 17)
+        # but keeps the transparent level unscaled, so no pixel, or the wrong ones, would
+        # match it. Compare in 8 bits.
+        image.info["transparency"] = key * 255 // ((1 << low_bits) - 1)
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
         # Transparent pixels show the background, not whatever colour they happen to hold.
         rgba = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba)
     # np.array copies into a writable array, which torch.from_numpy needs.
     return np.array(image.convert("RGB"))
+
+
+#: The raw modes of 2- and 4-bit grey PNGs, with their bit depths.
+_LOW_GREY_BITS = {"L;2": 2, "L;4": 4}
 
 
 def _decode_image(data: bytes) -> torch.Tensor:

@@ -261,6 +261,31 @@ def test_a_sixteen_bit_transparent_grey_shows_white_and_a_sixteen_bit_rgb_key_is
         _decoded(shifted)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_a_low_bit_transparent_grey_shows_white(bits: int) -> None:
+    """A 2- or 4-bit grey PNG gives its transparent level in its own bits; Pillow scales
+    the pixels to 8 bits but not that level, so the transparent pixels kept their grey
+    (and a pixel whose 8-bit value equalled the unscaled level would have turned white)."""
+    top = (1 << bits) - 1
+    levels = [0, 1, top, 2, 1]
+    packed, acc, used = bytearray(), 0, 0
+    for level in levels:
+        acc, used = (acc << bits) | level, used + bits
+        if used == 8:
+            packed.append(acc)
+            acc, used = 0, 0
+    if used:
+        packed.append(acc << (8 - used))
+    ihdr = struct.pack(">IIBBBBB", len(levels), 1, bits, 0, 0, 0, 0)
+    pixels = zlib.compress(b"\x00" + bytes(packed))
+    data = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"tRNS", struct.pack(">H", 1))
+            + _chunk(b"IDAT", pixels) + _chunk(b"IEND", b""))  # fmt: skip
+    scale = 255 // top
+    expected = [255 if level == 1 else level * scale for level in levels]
+    assert _decoded(data)[0, :, 0].tolist() == expected
+    assert (_decoded(data)[0] == _decoded(data)[0, :, :1]).all()  # grey: equal channels
+
+
 def _decoded(data: bytes) -> np.ndarray:
     """What preprocess decodes ``data`` to, as a numpy array."""
     return to_rgb(VLMRequest(prompt="x", image=data)).numpy()
