@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 import warnings
 import zlib
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from pipeline import Context
 from stages.model import BOS, TINY_VLM
 from stages.payloads import VLMRequest
-from stages.preprocess import MAX_JPEG_SCANS, InvalidRequest, Preprocess, prepare, to_rgb
+from stages.preprocess import (
+    MAX_JPEG_SCANS,
+    PRESHRINK_PIXELS,
+    InvalidRequest,
+    Preprocess,
+    prepare,
+    to_rgb,
+)
 from stages.samples import encode_png
 from stages.tokenizer import TextStream, encode
 from tests.stages.conftest import encoded
@@ -74,6 +84,39 @@ def test_pixels_are_resized_and_normalised_to_the_encoder_input() -> None:
     pixels, _ = prepare(VLMRequest(prompt="x", pixels=torch.from_numpy(exact)))
     expected = torch.from_numpy(exact).permute(2, 0, 1).float() / 255.0 * 2 - 1
     torch.testing.assert_close(pixels, expected)
+
+
+def test_a_large_image_is_shrunk_close_to_the_float_way() -> None:
+    """An image over a megapixel is first shrunk in uint8: what the encoder gets is within a
+    rounding step of resizing it all in float32 at once."""
+    y, x = np.mgrid[0:1200, 0:1000]
+    image = np.stack((x % 256, y % 256, (x + y) % 256), axis=-1).astype(np.uint8)
+    assert image.shape[0] * image.shape[1] > PRESHRINK_PIXELS
+    got, _ = prepare(VLMRequest(prompt="x", pixels=torch.from_numpy(image)))
+    floats = torch.from_numpy(image).float().permute(2, 0, 1).unsqueeze(0) / 255.0
+    size = (TINY_VLM.image_size, TINY_VLM.image_size)
+    want = F.interpolate(floats, size=size, mode="bilinear", align_corners=False, antialias=True)
+    torch.testing.assert_close(got, (want[0] - 0.5) / 0.5, rtol=0, atol=0.02)
+
+
+def test_a_large_image_is_preprocessed_in_little_memory() -> None:
+    """A 4096x4096 image took over 400 MiB in float32 to resize (one request; a stage runs up
+    to max_concurrency at once); shrunk in uint8 first it takes a tenth of that."""
+    script = (
+        "import resource, torch\n"
+        "from stages.payloads import VLMRequest\n"
+        "from stages.preprocess import prepare\n"
+        "torch.set_num_threads(1)\n"
+        "pixels = torch.randint(0, 256, (4096, 4096, 3), dtype=torch.uint8)\n"
+        "prepare(VLMRequest(prompt='x', pixels=torch.zeros(8, 8, 3, dtype=torch.uint8)))\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "prepare(VLMRequest(prompt='x', pixels=pixels))\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert int(done.stdout) < 100, f"{done.stdout.strip()} MiB more at the peak"
 
 
 def test_a_white_image_is_all_ones() -> None:
