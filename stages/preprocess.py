@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import struct
 import warnings
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -229,6 +230,66 @@ def _rgb_array(image: Image.Image, data: bytes) -> NDArray[np.uint8]:
     return np.array(image.convert("RGB"))
 
 
+#: Channels of each PNG colour type: grey, RGB, palette, grey and alpha, RGBA.
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+#: The Adam7 passes of an interlaced PNG: (first row, row step, first column, column step).
+_ADAM7 = ((0, 8, 0, 8), (0, 8, 4, 8), (4, 8, 0, 4), (0, 4, 2, 4), (2, 4, 0, 2), (0, 2, 1, 2),
+          (1, 2, 0, 1))  # fmt: skip
+
+
+def _png_pixel_bytes(width: int, height: int, depth: int, colour: int, interlaced: bool) -> int:
+    """How many bytes a PNG's pixel stream inflates to: each row's bytes and filter byte."""
+    bits = depth * _PNG_CHANNELS.get(colour, 4)
+    passes = _ADAM7 if interlaced else ((0, 1, 0, 1),)
+    total = 0
+    for row0, row_step, col0, col_step in passes:
+        rows = max(0, (height - row0 + row_step - 1) // row_step)
+        cols = max(0, (width - col0 + col_step - 1) // col_step)
+        if rows and cols:
+            total += rows * (1 + (cols * bits + 7) // 8)
+    return total
+
+
+def _check_png_rows(data: bytes) -> None:
+    """Refuse a PNG whose pixel stream (its IDAT chunks, which ``verify`` read) inflates to
+    fewer bytes than its rows need. Inflated in pieces and counted: nothing is kept.
+
+    Raises:
+        InvalidRequest: the pixel data ends early, or does not inflate.
+    """
+    view, at = memoryview(data), 8
+    need = None
+    inflate = zlib.decompressobj()
+    got = 0
+    while at + 8 <= len(data):
+        length = int.from_bytes(view[at : at + 4], "big")
+        kind = bytes(view[at + 4 : at + 8])
+        body = view[at + 8 : at + 8 + length]
+        at += 12 + length
+        if kind == b"IHDR" and len(body) >= 13:
+            width, height = int.from_bytes(body[0:4], "big"), int.from_bytes(body[4:8], "big")
+            need = _png_pixel_bytes(width, height, body[8], body[9], body[12] == 1)
+        elif kind == b"IDAT" and need is not None:
+            piece: bytes | memoryview = body
+            try:
+                while piece and got < need and not inflate.eof:
+                    got += len(inflate.decompress(piece, 1 << 16))
+                    piece = inflate.unconsumed_tail
+            except zlib.error as e:
+                raise InvalidRequest(
+                    f"corrupt or truncated PNG image: its pixel data does not inflate ({e})"
+                ) from e
+            if got >= need:
+                return
+        elif kind == b"IEND":
+            break
+    if need is not None and got < need:
+        raise InvalidRequest(
+            f"corrupt or truncated PNG image: its pixel data ends after {got} of the {need} "
+            "bytes its rows need"
+        )
+
+
 #: The raw modes of 2- and 4-bit grey PNGs, with their bit depths.
 _LOW_GREY_BITS = {"L;2": 2, "L;4": 4}
 
@@ -249,6 +310,9 @@ def _decode_image(data: bytes) -> torch.Tensor:
             # load() skips the CRCs of PNG chunks, so a flipped bit in the pixel data could
             # decode silently into other pixels; verify() checks every chunk's CRC.
             image.verify()
+        # Nor does load() notice pixel data that ends, cleanly, before the last row: the
+        # rows missing would be black.
+        _check_png_rows(data)
         # verify() leaves the image unusable, so decode from a fresh parse.
         with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
             return torch.from_numpy(_rgb_array(image, data))

@@ -465,11 +465,19 @@ GOOD_JPEG = encoded(_rgb(64, 64), "JPEG", quality=95)
             _flip_idat_byte(GOOD_PNG),
             r"corrupt or truncated PNG image: broken PNG file \(bad header checksum in b'IDAT'\)",
         ),
-        (_png_header(2, 2, b""), "corrupt or truncated PNG image: image file is truncated"),
+        (
+            _png_header(2, 2, b""),
+            "corrupt or truncated PNG image: its pixel data ends after 0 of the 14 bytes",
+        ),
+        (
+            # A pixel stream that ends cleanly after half the rows: the rest were black.
+            _png_header(2, 4, b"\x00" + bytes(6) + b"\x00" + bytes(6)),
+            "corrupt or truncated PNG image: its pixel data ends after 14 of the 28 bytes",
+        ),
         (
             # Every chunk's CRC right, its compressed pixels not: served half made before.
             _garbled_idat(8, 8),
-            "corrupt or truncated PNG image: unrecognized data stream",
+            "corrupt or truncated PNG image: its pixel data ends after 39 of the 200 bytes",
         ),
         (b"\xff\xd8\xff\xe0" + bytes(100), "corrupt or truncated JPEG image: unreadable header"),
         (
@@ -487,6 +495,7 @@ GOOD_JPEG = encoded(_rgb(64, 64), "JPEG", quality=95)
         "png-header-cut",
         "png-bad-crc",
         "png-no-pixels",
+        "png-short-stream",
         "png-garbled-pixels",
         "jpeg-garbage",
         "jpeg-truncated",
