@@ -45,6 +45,7 @@ def test_a_log_line_into_a_stderr_whose_reader_has_gone_raises_nothing(
     failure report, a garbage count). Lines that cannot be written are dropped now."""
     read, write = os.pipe()
     os.close(read)
+    config = structlog.get_config()
     with os.fdopen(write, "w") as broken:
         monkeypatch.setattr(sys, "stderr", broken)
         configure_logging("info", json=True)
@@ -54,6 +55,7 @@ def test_a_log_line_into_a_stderr_whose_reader_has_gone_raises_nothing(
             log.error("second", n=2)
         finally:
             monkeypatch.undo()
-            configure_logging()
+            # As it was: later tests capture logs, which loggers cached meanwhile would miss.
+            structlog.configure(**config)
         with contextlib.suppress(BrokenPipeError):
             broken.close()
