@@ -223,8 +223,13 @@ def _png_header(width: int, height: int, pixel_data: bytes | None = None) -> byt
 
 def _garbled_idat(width: int, height: int) -> bytes:
     """An RGB PNG whose IDAT chunk has a right CRC over a compressed stream that is not."""
+    return _raw_idat(width, height, b"\x78\x9c" + b"\x13" * 40)
+
+
+def _raw_idat(width: int, height: int, body: bytes) -> bytes:
+    """An RGB PNG whose one IDAT chunk holds ``body`` as it is (and its right CRC)."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    idat = _chunk(b"IDAT", b"\x78\x9c" + b"\x13" * 40)
+    idat = _chunk(b"IDAT", body)
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + idat + _chunk(b"IEND", b"")
 
 
@@ -475,6 +480,11 @@ GOOD_JPEG = encoded(_rgb(64, 64), "JPEG", quality=95)
             "corrupt or truncated PNG image: its pixel data ends after 14 of the 28 bytes",
         ),
         (
+            _raw_idat(2, 2, b"\x78\x9c\xff\xff\xff\xff"),
+            "corrupt or truncated PNG image: its pixel data does not inflate "
+            r"\(Error -3 while decompressing data: invalid block type\)",
+        ),
+        (
             # Every chunk's CRC right, its compressed pixels not: served half made before.
             _garbled_idat(8, 8),
             "corrupt or truncated PNG image: its pixel data ends after 39 of the 200 bytes",
@@ -496,6 +506,7 @@ GOOD_JPEG = encoded(_rgb(64, 64), "JPEG", quality=95)
         "png-bad-crc",
         "png-no-pixels",
         "png-short-stream",
+        "png-not-deflate",
         "png-garbled-pixels",
         "jpeg-garbage",
         "jpeg-truncated",
