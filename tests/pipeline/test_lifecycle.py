@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+import zmq
 
 from pipeline import Pipeline, PipelineError, StageUnavailable
 from stages.text import Text, Token
@@ -182,6 +183,35 @@ async def test_a_start_whose_on_listening_raises_closes_what_it_started() -> Non
         await pipe.start(on_listening=refuse)
     assert pipe._master is None and pipe._launcher is None
     async with pipe:
+        assert await pipe.submit(Text("again")) == Text("again")
+
+
+async def test_a_start_whose_socket_watch_cannot_be_made_closes_without_a_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The master watches each of its two bound sockets for refused handshakes. When the
+    second watch could not be made (out of descriptors), the first was never closed, and
+    its monitor held the ZMQ context's termination, so the failed start's close, and the
+    process's exit, hung for ever. The start now fails, and closes, at once."""
+    from pipeline import _master
+
+    made: list[object] = []
+
+    def second_fails(sock: object, on_refused: object) -> object:
+        if made:
+            raise zmq.ZMQError(errno.EMFILE)
+        made.append(real(sock, on_refused))  # type: ignore[arg-type]
+        return made[-1]
+
+    real = _master.RefusedPeers
+    monkeypatch.setattr(_master, "RefusedPeers", second_fails)
+    pipe = Pipeline(spec({"echo": ":Echo"}, []))
+    async with asyncio.timeout(30):
+        with pytest.raises(zmq.ZMQError):
+            await pipe.start()
+    assert pipe._master is None and pipe._launcher is None
+    monkeypatch.undo()
+    async with asyncio.timeout(60), pipe:
         assert await pipe.submit(Text("again")) == Text("again")
 
 

@@ -8,6 +8,7 @@ is about processes; head-of-line tests keep both ends on one loop, which is the 
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import json
 import math
@@ -422,6 +423,38 @@ async def test_a_forged_descriptor_and_its_release_leave_the_genuine_one_whole()
             assert bytes(got.header) == b"hdr" and bytes(got.buffers[0]) == b"z" * 1000
             await receiver.release(genuine)
         await wait_for(lambda: sender.statistics().held == 0)
+
+
+async def test_a_sender_whose_port_cannot_be_watched_fails_its_put_and_keeps_no_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sender watches its bound port for refused handshakes. When that watch could not be
+    made (out of descriptors), the bound socket stayed open, unread and unclosed, holding
+    its port and the context's termination at exit. The put now fails saying why, closes
+    the socket, and a later put makes a new one."""
+    from transports import _network_server
+
+    def cannot_watch(sock: object, on_refused: object) -> object:
+        raise zmq.ZMQError(errno.EMFILE)
+
+    ctx = zmq.Context.instance()
+
+    def open_sockets() -> int:
+        return sum(1 for sock in list(ctx._sockets) if not sock.closed)
+
+    transport = NetworkTransport(fetch_timeout=5)
+    async with transport.open_sender(_edge()) as sender:
+        before = open_sockets()
+        monkeypatch.setattr(_network_server, "RefusedPeers", cannot_watch)
+        with pytest.raises(TransportError, match="cannot watch its socket"):
+            await sender.put(_key(), Encoded(b"head", (b"body",)), timeout=5)
+        assert open_sockets() == before
+        monkeypatch.undo()
+        desc = await sender.put(_key(), Encoded(b"head", (b"body",)), timeout=5)
+        async with transport.open_receiver(_edge()) as receiver:
+            got = await _within(receiver.get(desc))
+            assert [bytes(b) for b in got.buffers] == [b"body"]
+            await receiver.release(desc)
 
 
 async def test_garbage_on_a_senders_port_is_counted_and_its_payloads_still_served() -> None:
