@@ -847,7 +847,12 @@ class StageActor:
         wait for ever: that producer may itself wait for this stage's credit for a request
         the stage has not begun, which needs a slot. The handler takes a slot back once
         the chunk is here, before it reads it (a read cancelled meanwhile leaves the chunk
-        for the next read).
+        for the next read), and also when the wait ends otherwise while the request lives
+        (a timeout of the handler's own, a ``ChunkGap`` it catches): it goes on working.
+
+        Only a read in the handler's own task gives the slot up. One in a task of its own
+        (``asyncio.gather``, ``wait_for``) runs beside handler code that goes on working,
+        and may outlive the handler: it waits as any read does.
 
         Raises:
             What ``InputChannel.next`` raises.
@@ -858,21 +863,37 @@ class StageActor:
             and not (buffer.delivered or buffer.buffered)
             and inflow.held is None
             and inflow.fetching is None
+            and asyncio.current_task() is req.task
         ):
             req.slot = False
             self._sem.release()
             try:
                 await channel.arrival(inflow)
-            except EndOfChannel:
-                await self._retake_slot(req)  # an empty stream: the handler goes on
+            except BaseException:
+                if self._requests.get(req.request_id) is req:
+                    # Still live (an abort forgets the request before it cancels): the
+                    # handler goes on, and works in a slot.
+                    await self._retake_slot(req)
                 raise
-            # (Any other error ends the request, and is not held up waiting for a slot.)
             await self._retake_slot(req)
         return await channel.next(inflow)
 
     async def _retake_slot(self, req: _Request) -> None:
-        await self._sem.acquire()
+        """Take a slot back for ``req``'s handler, which goes on working. A cancellation of
+        the handler's own (a timeout around its read) waits until the slot is taken, then
+        goes on; one that ends the request (an abort forgets it first) does not wait."""
+        cancelled: asyncio.CancelledError | None = None
+        while True:
+            try:
+                await self._sem.acquire()
+                break
+            except asyncio.CancelledError as exc:
+                if self._requests.get(req.request_id) is not req:
+                    raise
+                cancelled = exc
         req.slot = True
+        if cancelled is not None:
+            raise cancelled
 
     def _note_ended(self, req: _Request) -> None:
         """The handler of ``req`` ended: its inputs are no longer needed (read to their ends,

@@ -851,3 +851,87 @@ class StreamThenStream(Stage):
         async for _ in b:
             n += 1
         return Text(f"{words}/{n}")
+
+
+#: How long LateTokens waits before it streams, and how long each step of _slot_work takes.
+LATE_S = 0.3
+SLOT_WORK_S = 0.1
+#: The turns in which TimesItsFirstRead waits for its stream's first chunk.
+FIRST_READ_S = 0.05
+#: The requests of this process in _slot_work now, and the most there were at once.
+_WORKING: set[str] = set()
+_PEAK = [0]
+
+
+async def _slot_work(request_id: str) -> int:
+    """Work that ``max_concurrency`` bounds; the most requests that did it at once so far."""
+    _WORKING.add(request_id)
+    _PEAK[0] = max(_PEAK[0], len(_WORKING))
+    try:
+        await asyncio.sleep(SLOT_WORK_S)
+    finally:
+        _WORKING.discard(request_id)
+    return _PEAK[0]
+
+
+class LateTokens(Stage):
+    """Streams the words of a text, LATE_S after it came."""
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Token]:
+        await asyncio.sleep(LATE_S)
+        for i, word in enumerate(text.value.split()):
+            yield Token(i, word)
+
+
+class TimesItsFirstRead(Stage):
+    """Joins a's text and b's stream: waits for b's first token in turns of its own timeout,
+    reads the rest, then works; returns the stream's length and the most requests that
+    worked here at once."""
+
+    async def process(self, a: Text, b: Stream[Token], ctx: Context) -> Text:
+        tokens = aiter(b)
+        while True:
+            try:
+                async with asyncio.timeout(FIRST_READ_S):
+                    await anext(tokens)
+                break
+            except TimeoutError:
+                continue
+        n = 1 + len([t async for t in tokens])
+        peak = await _slot_work(ctx.request_id)
+        return Text(f"{n} peak {peak}")
+
+
+class ReadsBoth(Stage):
+    """Reads streams a and b at once (``gather``), working on each chunk; returns both
+    lengths and the most requests that worked here at once."""
+
+    async def process(self, a: Stream[Token], b: Stream[Token], ctx: Context) -> Text:
+        peak = 0
+
+        async def eat(tokens: Stream[Token]) -> int:
+            nonlocal peak
+            n = 0
+            async for _ in tokens:
+                n += 1
+                peak = await _slot_work(ctx.request_id)
+            return n
+
+        na, nb = await asyncio.gather(eat(a), eat(b))
+        return Text(f"{na}/{nb} peak {peak}")
+
+
+_READERS: set[asyncio.Future[Token]] = set()
+
+
+class LeavesAReader(Stage):
+    """Starts a task reading b's first token, reads a's stream, and returns its length
+    without waiting for that task (which the request's end ends)."""
+
+    async def process(self, a: Stream[Token], b: Stream[Token], ctx: Context) -> Text:
+        reader = asyncio.ensure_future(anext(aiter(b)))
+        _READERS.add(reader)  # (the loop keeps only a weak reference to a task)
+        reader.add_done_callback(_READERS.discard)
+        reader.add_done_callback(lambda task: task.cancelled() or task.exception())
+        n = len([t async for t in a])
+        return Text(str(n))

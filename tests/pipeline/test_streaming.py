@@ -337,3 +337,42 @@ async def test_a_join_waiting_for_a_streams_first_chunk_holds_no_slot(
         assert await asyncio.wait_for(pipe.submit(Text(second)), 30) == Text("60/60")
         await wait_for(functools.partial(_told, fifo), 30)
         assert await asyncio.wait_for(a_run, 30) == Text("40/40")
+
+
+@pytest.mark.parametrize(
+    ("a", "join"),
+    [(":Echo", ":TimesItsFirstRead"), (":Tokens", ":ReadsBoth")],
+    ids=["own-timeout", "gather"],
+)
+async def test_a_handler_that_waits_for_a_first_chunk_its_own_way_keeps_max_concurrency(
+    a: str, join: str
+) -> None:
+    """join (max_concurrency 1) waits for b's first chunk, which comes late, under its own
+    timeout in turns, or reading a and b at once. The wait gave the slot up, and it was
+    not taken back when the handler's own timeout ended it, nor while the handler went on
+    reading a: three requests worked at once. The slot comes back whenever the handler
+    goes on, and a read in a task of its own (gather's) does not give it up."""
+    s = spec(
+        {"src": ":Echo", "a": a, "b": {"impl": ":LateTokens", "max_concurrency": 8},
+         "join": {"impl": join, "max_concurrency": 1}},
+        [("src", "a"), ("src", "b"), ("a", "join"), ("b", "join")],
+    )  # fmt: skip
+    async with Pipeline(s) as pipe:
+        outs = await asyncio.wait_for(
+            asyncio.gather(*(pipe.submit(Text("x y z")) for _ in range(3))), 60
+        )
+    assert all(out.value.endswith("peak 1") for out in outs), outs
+
+
+async def test_a_read_left_running_by_a_handler_that_ended_holds_no_slot() -> None:
+    """A handler (max_concurrency 1) leaves a task reading b's first chunk and returns. That
+    read gave the slot up, then took one back after the handler had ended, which nothing
+    gave back: every later request on the replica waited for a slot for ever."""
+    s = spec(
+        {"src": ":Echo", "a": ":Tokens", "b": ":LateTokens",
+         "join": {"impl": ":LeavesAReader", "max_concurrency": 1}},
+        [("src", "a"), ("src", "b"), ("a", "join"), ("b", "join")],
+    )  # fmt: skip
+    async with Pipeline(s) as pipe:
+        for _ in range(3):
+            assert await asyncio.wait_for(pipe.submit(Text("x y z")), 30) == Text("3")
