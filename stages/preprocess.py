@@ -250,6 +250,11 @@ def _png_pixel_bytes(width: int, height: int, depth: int, colour: int, interlace
     return total
 
 
+#: Compressed bytes given to zlib at a time, and the most it may inflate them to in one call.
+_INFLATE_IN = 1 << 16
+_INFLATE_OUT = 1 << 20
+
+
 def _check_png_rows(data: bytes) -> None:
     """Refuse a PNG whose pixel stream (its IDAT chunks, which ``verify`` read) inflates to
     fewer bytes than its rows need. Inflated in pieces and counted: nothing is kept.
@@ -270,11 +275,13 @@ def _check_png_rows(data: bytes) -> None:
             width, height = int.from_bytes(body[0:4], "big"), int.from_bytes(body[4:8], "big")
             need = _png_pixel_bytes(width, height, body[8], body[9], body[12] == 1)
         elif kind == b"IDAT" and need is not None:
-            piece: bytes | memoryview = body
             try:
-                while piece and got < need and not inflate.eof:
-                    got += len(inflate.decompress(piece, 1 << 16))
-                    piece = inflate.unconsumed_tail
+                # Fed in small pieces: what a bounded call leaves unread is copied each time.
+                for start in range(0, len(body), _INFLATE_IN):
+                    piece: bytes | memoryview = body[start : start + _INFLATE_IN]
+                    while piece and got < need and not inflate.eof:
+                        got += len(inflate.decompress(piece, _INFLATE_OUT))
+                        piece = inflate.unconsumed_tail
             except zlib.error as e:
                 raise InvalidRequest(
                     f"corrupt or truncated PNG image: its pixel data does not inflate ({e})"

@@ -334,6 +334,34 @@ def test_a_low_bit_transparent_grey_shows_white(bits: int) -> None:
     assert (_decoded(data)[0] == _decoded(data)[0, :, :1]).all()  # grey: equal channels
 
 
+def test_a_large_pixel_stream_is_checked_in_linear_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checking that a PNG's pixel data covers its rows inflates it in bounded pieces. Fed
+    one large IDAT chunk whole, each bounded call copied what it left unread, the rest of
+    the chunk: work quadratic in its size (minutes for a 48 MiB photo). Counted here as the
+    compressed bytes handed to zlib, which must stay within twice the chunk's size."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (512, 512, 3), dtype=np.uint8)  # does not compress
+    rows = b"".join(b"\x00" + image[r].tobytes() for r in range(512))
+    data = _raw_idat(512, 512, zlib.compress(rows))
+    fed = [0]
+    real = zlib.decompressobj
+
+    class Counting:
+        def __init__(self) -> None:
+            self._inner = real()
+
+        def decompress(self, piece: bytes, max_length: int = 0) -> bytes:
+            fed[0] += len(piece)
+            return self._inner.decompress(piece, max_length)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._inner, name)
+
+    monkeypatch.setattr(zlib, "decompressobj", Counting)
+    assert _decoded(data).shape == (512, 512, 3)
+    assert fed[0] <= 2 * len(data), f"{fed[0]} bytes fed for a {len(data)}-byte file"
+
+
 def _decoded(data: bytes) -> np.ndarray:
     """What preprocess decodes ``data`` to, as a numpy array."""
     return to_rgb(VLMRequest(prompt="x", image=data)).numpy()
