@@ -6,6 +6,7 @@ counters instead.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -47,16 +48,22 @@ class Unfailing:
         if not self.broken:
             try:
                 self._stream.write(text)
-            except (OSError, ValueError):  # ValueError: the stream was closed
-                self.broken = True
+            except (OSError, ValueError) as exc:  # ValueError: the stream was closed
+                self._failed(exc)
         return len(text)
 
     def flush(self) -> None:
         if not self.broken:
             try:
                 self._stream.flush()
-            except (OSError, ValueError):
-                self.broken = True
+            except (OSError, ValueError) as exc:  # ValueError: the stream was closed
+                self._failed(exc)
+
+    def _failed(self, exc: OSError | ValueError) -> None:
+        """Stop writing for good once nobody reads (or the stream is closed); only this
+        line is lost to a passing failure (a full pipe that does not block, a full disk)."""
+        if not isinstance(exc, OSError) or exc.errno in (errno.EBADF, errno.EPIPE):
+            self.broken = True
 
 
 def configure_logging(level: str | None = None, *, json: bool | None = None) -> None:

@@ -59,3 +59,31 @@ def test_a_log_line_into_a_stderr_whose_reader_has_gone_raises_nothing(
             structlog.configure(**config)
         with contextlib.suppress(BrokenPipeError):
             broken.close()
+
+
+def test_a_log_line_into_a_full_pipe_that_does_not_block_costs_only_that_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-blocking stderr that is full refuses a line for now (EAGAIN): that line is
+    lost, and the lines after it, once the reader has caught up, are written."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    config = structlog.get_config()
+    with os.fdopen(write, "w", buffering=1) as stderr, os.fdopen(read, "rb") as reader:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(write, b"x" * 4096)
+        monkeypatch.setattr(sys, "stderr", stderr)
+        configure_logging("info", json=True)
+        try:
+            log = structlog.get_logger("stagewire.test")
+            log.warning("while_full")
+            os.set_blocking(read, False)
+            with contextlib.suppress(BlockingIOError):
+                while reader.read(1 << 16):
+                    pass
+            log.warning("after_drain")
+        finally:
+            monkeypatch.undo()
+            structlog.configure(**config)
+        assert b"after_drain" in reader.read(1 << 16)
