@@ -99,6 +99,11 @@ _SpecLoader.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
 _SpecLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+.0123456789"))
 
 
+#: Mappings whose keys are the stage's or the transport's own business (``params``,
+#: ``options``): a key there may be of any type their models take.
+_FREE_FORM = frozenset({"params", "options"})
+
+
 @dataclass(slots=True, frozen=True)
 class YamlDocument:
     """A parsed YAML document and the 1-based line of each of its fields.
@@ -277,6 +282,18 @@ class _Walker:
                 continue
             key = self._loader.construct_object(key_node)
             line = key_node.start_mark.line + 1
+            if not isinstance(key, str) and not _FREE_FORM.intersection(path):
+                # Every key of a spec (but in a stage's params or a transport's options)
+                # names a field, a stage or a variable: YAML read this one as another type
+                # (true, ~, 0x10). Said as it was written.
+                written = key_node.value
+                read_as = "null" if key is None else type(key).__name__
+                raise ConfigError(
+                    f"key {written} is read as {read_as}, not a string: quote it ('{written}')",
+                    file=self._doc.source,
+                    path=".".join(str(p) for p in (*path, written)),
+                    line=line,
+                )
             try:
                 first = seen.get(key)
             except TypeError:  # An unhashable key; construction refuses it with a mark.

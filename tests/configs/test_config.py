@@ -421,6 +421,16 @@ def test_helpers_refuse_unknown_names() -> None:
             id="int-stage-name",
         ),
         pytest.param(
+            "stages:\n  a: {impl: 'm:A'}\n  ~: {impl: 'm:B'}\n",
+            "p.yaml:3: stages.~: key ~ is read as null, not a string: quote it ('~')",
+            id="null-stage-name",
+        ),
+        pytest.param(
+            "defaults:\n  True: 1\nstages: {a: {impl: 'm:A'}}\n",
+            "p.yaml:2: defaults.True: key True is read as bool, not a string: quote it ('True')",
+            id="bool-field-name",
+        ),
+        pytest.param(
             "stages: {a: {impl: 'm:A'}, b: {impl: 'm:B'}}\nedges:\n- from: a\n  to: b\n"
             "  transport: 'not/a kind'\n",
             "p.yaml:5: edges.0.transport.kind: invalid transport 'not/a kind'",
