@@ -221,7 +221,8 @@ def _rgb_array(image: Image.Image, data: bytes) -> NDArray[np.uint8]:
         # A 2- or 4-bit grey PNG: Pillow scales its levels to 8 bits (1 of 4 bits is 17)
         # but keeps the transparent level unscaled, so no pixel, or the wrong ones, would
         # match it. Compare in 8 bits.
-        image.info["transparency"] = key * 255 // ((1 << low_bits) - 1)
+        top = (1 << low_bits) - 1
+        image.info["transparency"] = (key & top) * 255 // top  # (stray high bits: as libpng)
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
         # Transparent pixels show the background, not whatever colour they happen to hold.
         rgba = image.convert("RGBA")
@@ -373,7 +374,8 @@ PRESHRINK_FACTOR = 8
 def _normalise(rgb: torch.Tensor, config: VLMConfig) -> torch.Tensor:
     """Resize ``uint8`` RGB to the encoder's input and scale it to ``[-1, 1]``."""
     height, width = rgb.shape[0], rgb.shape[1]
-    if height * width > PRESHRINK_PIXELS:
+    if height * width > PRESHRINK_PIXELS and rgb.device.type == "cpu":
+        # (CUDA has no uint8 resize: pixels sent there are resized as floats, there.)
         side = PRESHRINK_FACTOR * config.image_size
         rgb = F.interpolate(
             rgb.permute(2, 0, 1).unsqueeze(0),

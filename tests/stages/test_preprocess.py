@@ -309,11 +309,13 @@ def test_a_sixteen_bit_transparent_grey_shows_white_and_a_sixteen_bit_rgb_key_is
         _decoded(shifted)
 
 
+@pytest.mark.parametrize("stray", [0, 1], ids=["", "stray-high-bits"])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_a_low_bit_transparent_grey_shows_white(bits: int) -> None:
+def test_a_low_bit_transparent_grey_shows_white(bits: int, stray: int) -> None:
     """A 2- or 4-bit grey PNG gives its transparent level in its own bits; Pillow scales
     the pixels to 8 bits but not that level, so the transparent pixels kept their grey
-    (and a pixel whose 8-bit value equalled the unscaled level would have turned white)."""
+    (and a pixel whose 8-bit value equalled the unscaled level would have turned white).
+    Bits of the level above the image's depth are ignored, as libpng ignores them."""
     top = (1 << bits) - 1
     levels = [0, 1, top, 2, 1]
     packed, acc, used = bytearray(), 0, 0
@@ -326,7 +328,8 @@ def test_a_low_bit_transparent_grey_shows_white(bits: int) -> None:
         packed.append(acc << (8 - used))
     ihdr = struct.pack(">IIBBBBB", len(levels), 1, bits, 0, 0, 0, 0)
     pixels = zlib.compress(b"\x00" + bytes(packed))
-    data = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"tRNS", struct.pack(">H", 1))
+    key = struct.pack(">H", 1 | stray << bits)
+    data = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"tRNS", key)
             + _chunk(b"IDAT", pixels) + _chunk(b"IEND", b""))  # fmt: skip
     scale = 255 // top
     expected = [255 if level == 1 else level * scale for level in levels]
