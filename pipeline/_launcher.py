@@ -66,6 +66,8 @@ class LocalLauncher:
         self.started: set[int] = set()
         self._watchers: list[asyncio.Task[None]] = []
         self._closing = False
+        #: Set as ``aclose`` begins: a restart's backoff ends at once.
+        self._closed = asyncio.Event()
         self._max_restarts = max_restarts
         self._stable_s = stable_s
         #: Restarts since each slot's worker last served for ``stable_s`` (the budget used).
@@ -181,29 +183,36 @@ class LocalLauncher:
         # exited cleanly was told to; one that failed at start-up fails the start. A
         # restart that cannot even be spawned (out of processes, memory or descriptors)
         # uses an attempt of the same budget.
-        while True:
+        while not self.closing():
             done = self.restarts.get(key, 0)
             if not self.supervise or code == 0 or done >= self._max_restarts:
                 if self.supervise and self._on_given_up is not None:
                     self._on_given_up(stage, replica)
                 return
             self.restarts[key] = done + 1
-            await asyncio.sleep(min(5.0, 0.25 * 2**done))
-            if not self._closing:  # (closed during the backoff: nothing to restart)
-                log.info("worker_restarting", stage=stage, replica=replica, attempt=done + 1)
-                try:
-                    # Shielded: once spawning starts it completes, so the process is tracked.
-                    await asyncio.shield(self.start(stage, replica))
-                except OSError as exc:
-                    log.warning(
-                        "worker_restart_failed",
-                        stage=stage,
-                        replica=replica,
-                        attempt=done + 1,
-                        error=str(exc),
-                    )
-                    continue
+            # The backoff, cut short by a close: nothing is restarted then.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), min(5.0, 0.25 * 2**done))
+            if self.closing():
+                return
+            log.info("worker_restarting", stage=stage, replica=replica, attempt=done + 1)
+            try:
+                # Shielded: once spawning starts it completes, so the process is tracked.
+                await asyncio.shield(self.start(stage, replica))
+            except Exception as exc:  # OSError mostly: out of processes, memory, descriptors
+                log.warning(
+                    "worker_restart_failed",
+                    stage=stage,
+                    replica=replica,
+                    attempt=done + 1,
+                    error=repr(exc),
+                )
+                continue
             return
+
+    def closing(self) -> bool:
+        """Whether the launcher is stopping its workers (nothing is restarted any more)."""
+        return self._closing
 
     def kill_hung(self, stage: str, replica: int, pid: int) -> bool:
         """SIGKILL the replica's process if it is ``pid``, one this launcher started and still
@@ -232,6 +241,7 @@ class LocalLauncher:
             Nothing: only pids this launcher started are signalled.
         """
         self._closing = True
+        self._closed.set()
         while True:
             await self._stop_running(grace)
             await asyncio.gather(*self._watchers, return_exceptions=True)
