@@ -861,8 +861,11 @@ def _report_error(console: Console, exc: BaseException, code: int, *, debug: boo
     The traceback is shown, not re-raised, so that ``--debug`` keeps the exit code.
     """
     if debug:
-        traceback.print_exception(exc, file=sys.stderr)
-        sys.stderr.flush()
+        try:
+            traceback.print_exception(exc, file=sys.stderr)
+            sys.stderr.flush()
+        except OSError:  # its reader has gone: the exit status still says what happened
+            _to_devnull(sys.stderr)
     console.print(
         f"[red]error:[/red] {escape(_one_line(str(exc)))}", highlight=False, soft_wrap=True
     )

@@ -933,7 +933,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except KeyboardInterrupt:
         # Ctrl-C before it served (it then stops in order, see _Worker._serve).
-        sys.stderr.write("interrupted\n")
+        with contextlib.suppress(OSError, ValueError):  # (a stderr whose reader has gone)
+            sys.stderr.write("interrupted\n")
+            sys.stderr.flush()
         return EXIT_INTERRUPTED
     except BindFailed as exc:
         p.error(f"--bind-host {args.bind_host!r} cannot be bound here ({exc})")
