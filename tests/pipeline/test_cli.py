@@ -555,6 +555,25 @@ def test_a_reader_of_both_streams_that_stops_early_leaves_the_run_its_status() -
             proc.wait()
 
 
+def test_a_debug_traceback_into_a_stderr_whose_reader_has_gone_keeps_the_exit_status(
+    tmp_path: Path,
+) -> None:
+    """``stagewire --debug validate BAD 2>&1 | head -0``: the traceback's write into the
+    broken pipe raised, and the command exited 1 as for a broken stdout, not 2."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  a: {impl: 'm:A', replicas: 0}\n")
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pipeline", "--debug", "validate", str(bad)],
+            stdout=write, stderr=write, timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == 2
+
+
 def test_validate_checks_the_key_pair_the_config_names(tmp_path: Path) -> None:
     """A ``master.keys`` directory without a pair passed ``validate`` and then failed
     ``run``: both refuse it now, on one line naming the file, field and line, exit 2."""
