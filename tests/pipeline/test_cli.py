@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -510,25 +511,31 @@ def test_a_ctrl_c_while_the_command_loads_is_one_line() -> None:
     assert done.stderr == "interrupted\n", done.stderr
 
 
+def _first_output_then_gone(stderr: Any) -> int:
+    """Run a 3000-request batch of the demo printing its outputs, read the first line of its
+    stdout, then close that pipe (as ``| head -1`` does); the command's exit status."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "run", "configs/demo.yaml", "--input-file",
+         "configs/demo-inputs.jsonl", "--requests", "3000", "--print-outputs"],
+        stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline()
+        proc.stdout.close()
+        return proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_reader_that_stops_early_ends_the_outputs_quietly(tmp_path: Path) -> None:
     """``stagewire run ... --print-outputs | head -1``: once the reader has gone, the outputs
     stop without a BrokenPipeError traceback, the figures still go to stderr, and the exit
     status is the run's own (it was 1, after a traceback and no figures)."""
     with (tmp_path / "err").open("wb") as err_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "run", "configs/demo.yaml", "--input-file",
-             "configs/demo-inputs.jsonl", "--requests", "3000", "--print-outputs"],
-            stdout=subprocess.PIPE, stderr=err_file, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-    assert proc.stdout is not None
-    try:
-        assert proc.stdout.readline().startswith(b"0: ")
-        proc.stdout.close()
-        assert proc.wait(120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert _first_output_then_gone(err_file) == 0
     err = (tmp_path / "err").read_text()
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     assert "3000/3000 requests ok" in err, err
@@ -539,20 +546,7 @@ def test_a_reader_of_both_streams_that_stops_early_leaves_the_run_its_status() -
     still writes, outputs, progress or figures (or a worker's log line), is dropped, and
     the run ends with its own exit status. The console's first write into the broken pipe
     used to end the command with status 1."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline", "run", "configs/demo.yaml", "--input-file",
-         "configs/demo-inputs.jsonl", "--requests", "2000", "--print-outputs"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    try:
-        assert proc.stdout.readline()
-        proc.stdout.close()
-        assert proc.wait(120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    assert _first_output_then_gone(subprocess.STDOUT) == 0
 
 
 def test_a_debug_traceback_into_a_stderr_whose_reader_has_gone_keeps_the_exit_status(
