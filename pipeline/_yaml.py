@@ -419,12 +419,9 @@ def _describe(
         line = doc.line_of(loc, key=True)
         key = err["input"]
         if not isinstance(key, str):
-            # YAML read the key as another type (true, ~, 1): say so, and spell it as written.
-            shown = _yaml_spelling(key)
-            where = ".".join(str(p) for p in (*loc[:-1], shown))
-            read_as = "null" if key is None else type(key).__name__
-            message = f"key {shown} is read as {read_as}, not a string: quote it ('{shown}')"
-            return line, where, message
+            # (YAML's are refused as read, as written: this is a mapping built in Python.)
+            where = ".".join(str(p) for p in (*loc[:-1], repr(key)))
+            return line, where, f"key {key!r} is {type(key).__name__}, not a string"
     elif kind == "missing":
         message = "required key is missing"
         line = doc.line_of(loc[:-1], key=True)
@@ -443,15 +440,6 @@ def _describe(
         message = message.removeprefix("Value error, ")
         message = f"{message[:1].lower()}{message[1:]} (got {_shown(err['input'])})"
     return line, ".".join(str(p) for p in loc), message
-
-
-def _yaml_spelling(value: object) -> str:
-    """How YAML writes a scalar that is not a string: ``true``, ``null``, ``1``."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def _shown(value: object) -> str:

@@ -773,3 +773,11 @@ def _load_params(tmp_path: Path, stage: str, params: str, refused: str | None) -
         return
     with pytest.raises(ConfigError, match=re.escape(refused)):
         Pipeline.from_yaml(path)
+
+
+def test_a_spec_built_in_python_with_a_key_that_is_no_string_names_it() -> None:
+    """A mapping built in Python (not read from YAML) with a stage named True or None: the
+    error names the key as Python writes it, not as ``stages.1`` or ``stages.None``."""
+    for key, shown in ((True, "True is bool"), (None, "None is NoneType")):
+        with pytest.raises(ConfigError, match=rf"stages\.{shown.split()[0]}: key {shown}, not"):
+            PipelineSpec.from_dict({"stages": {key: {"impl": "m:A"}}})
