@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,20 @@ async def settled(pipe: Pipeline) -> bool:
     if stats["client"]["active"]:
         return False
     return all(r["active"] == 0 and r["open_windows"] == 0 for r in stats["replicas"])
+
+
+def told(fifo: str | os.PathLike[str]) -> bool:
+    """Let a stage waiting on ``fifo`` (its LINGER_FIFO) go on: write it a line if a stage
+    has it open; False, writing nothing, while none has."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # no reader yet (or none any more: a failure before it read)
+        return False
+    try:
+        os.write(fd, b"go\n")
+    finally:
+        os.close(fd)
+    return True
 
 
 def grid_module(dtype: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import socket
@@ -19,7 +18,7 @@ import zmq
 from pipeline import Pipeline, PipelineError, PipelineSpec, StageUnavailable
 from pipeline._config import MasterSpec
 from stages.text import Text
-from tests.pipeline.conftest import spec, wait_for
+from tests.pipeline.conftest import spec, told, wait_for
 from tests.procs import alive, children, wait_exited
 from transports._shm_segment import PREFIX, list_segments
 
@@ -39,14 +38,6 @@ def _lingering(
     os.mkfifo(fifo)
     sink = {"impl": sink_impl, "env": {"LINGER_FIFO": str(fifo)}}
     return fifo, spec({"src": ":Tokens", "sink": sink}, [("src", "sink")], **defaults)
-
-
-def _go(fifo: Path) -> None:
-    """Let a stage waiting on ``fifo`` (LINGER_FIFO) go on; nothing if none waits on it."""
-    with contextlib.suppress(OSError):  # no reader (a failure before it read)
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        os.write(fd, b"go\n")
-        os.close(fd)
 
 
 def _write_config(tmp_path: Path, stage: str = "Echo", replicas: int = 1) -> Path:
@@ -175,7 +166,7 @@ async def test_a_replica_killed_after_its_part_fails_only_the_requests_still_nee
                 await stalled
             assert not finished.done()  # the sink holds it until told through the FIFO
         finally:
-            _go(fifo)
+            told(fifo)
         assert await finished == Text("a b c")
 
 
@@ -308,7 +299,7 @@ async def test_a_replica_feeding_a_join_is_done_once_each_consumer_has_its_part(
             await wait_for(lambda: not orch.replicas["pre"][0].ready, timeout=40)
             assert not request.done()
         finally:
-            _go(fifo)
+            told(fifo)
         assert await asyncio.wait_for(request, 20) == Text("abc|3")
 
 
@@ -564,7 +555,7 @@ async def test_outputs_that_cannot_be_read_fail_their_request_at_once(tmp_path: 
                 await asyncio.wait_for(request, 10)
         finally:
             ctx.term()
-            _go(fifo)
+            told(fifo)
 
 
 async def test_garbage_on_sockets_is_dropped_and_counted() -> None:
@@ -1121,7 +1112,7 @@ async def test_new_requests_avoid_a_replica_whose_loop_a_handler_holds(tmp_path:
         async with asyncio.timeout(30):
             answers = [(await pipe.submit(Text("x"))).value for _ in range(6)]
         assert answers == [str(1 - held)] * 6
-        _go(fifo)
+        told(fifo)
 
         def unstalled() -> bool:
             return not any(v.stalled for v in views.values())

@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from pipeline import PayloadError, Pipeline, RequestAborted, SinkOutput
 from stages.text import Text
-from tests.pipeline.conftest import spec, wait_for
+from tests.pipeline.conftest import spec, told, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -284,19 +284,6 @@ async def test_a_request_queued_behind_a_busy_branch_does_not_starve_the_other()
         assert second == {"relay": Text(b), "count": Text("40")}
 
 
-def _told(fifo: str) -> bool:
-    """Write a line to ``fifo`` if a stage reads it; False while none has it open."""
-    try:
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        os.write(fd, b"go\n")
-    finally:
-        os.close(fd)
-    return True
-
-
 async def _chunks_in(pipe: Pipeline, stage: str, edge: str) -> int:
     stats = await pipe.statistics()
     return sum(
@@ -335,7 +322,7 @@ async def test_a_join_waiting_for_a_streams_first_chunk_holds_no_slot(
         a_run = asyncio.ensure_future(pipe.submit(Text(first)))
         await wait_for(functools.partial(_chunks_in, pipe, "join", "a->join"), 30)
         assert await asyncio.wait_for(pipe.submit(Text(second)), 30) == Text("60/60")
-        await wait_for(functools.partial(_told, fifo), 30)
+        await wait_for(functools.partial(told, fifo), 30)
         assert await asyncio.wait_for(a_run, 30) == Text("40/40")
 
 
