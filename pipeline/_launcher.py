@@ -35,6 +35,11 @@ log = structlog.get_logger("stagewire.launcher")
 #: master kills it, or fails late, never recovered.
 STABLE_S = 60.0
 
+#: A restart waits this long before its first attempt, twice as long before each next one,
+#: and never longer than :data:`RESTART_BACKOFF_MAX_S` (seconds); a close cuts it short.
+RESTART_BACKOFF_S = 0.25
+RESTART_BACKOFF_MAX_S = 5.0
+
 
 class LocalLauncher:
     """Starts one process per replica on this host and reports their exits."""
@@ -191,8 +196,9 @@ class LocalLauncher:
                 return
             self.restarts[key] = done + 1
             # The backoff, cut short by a close: nothing is restarted then.
+            backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2**done)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closed.wait(), min(5.0, 0.25 * 2**done))
+                await asyncio.wait_for(self._closed.wait(), backoff)
             if self.closing():
                 return
             log.info("worker_restarting", stage=stage, replica=replica, attempt=done + 1)

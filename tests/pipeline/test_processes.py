@@ -1086,6 +1086,30 @@ async def test_a_restart_that_cannot_be_spawned_is_tried_again_then_given_up(
                 await pipe.submit(Text("two"))
 
 
+async def test_a_close_ends_a_restarts_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close while a crashed worker's restart waits out its backoff ends the wait at once
+    and restarts nothing. It used to sleep the backoff through (up to 5 s) before the
+    close could finish; here the backoff is a minute, which the close must not wait for."""
+    monkeypatch.setattr("pipeline._launcher.RESTART_BACKOFF_S", 60.0)
+    monkeypatch.setattr("pipeline._launcher.RESTART_BACKOFF_MAX_S", 60.0)
+    s = spec({"echo": ":Echo"}, [], heartbeat_interval="200ms")
+    pipe = Pipeline(s)
+    await pipe.start()
+    try:
+        launcher = pipe._launcher
+        assert launcher is not None
+        assert await pipe.submit(Text("one")) == Text("one")
+        victim = pipe.worker_pids[("echo", 0)]
+        os.kill(victim, signal.SIGKILL)
+        await wait_for(lambda: launcher.restarts.get(("echo", 0), 0) == 1, timeout=20)
+        # Well inside the backoff: a close that waited for it would still be running.
+        await asyncio.wait_for(pipe.aclose(), 30)
+        assert ("echo", 0) not in launcher.pids
+        assert launcher.started == {victim}
+    finally:
+        await pipe.aclose()
+
+
 async def test_new_requests_avoid_a_replica_whose_loop_a_handler_holds(tmp_path: Path) -> None:
     """A replica whose handler holds its event loop still beats (from a thread of its own),
     so the master took it for a healthy one; its stuck request aborted, it looked the least
