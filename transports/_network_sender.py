@@ -52,8 +52,12 @@ class NetworkSender(AsyncResource):
         self._pool = BlockPool(min(options.capacity, _POOL_KEEP), options.segment_size)
         self._server: Server | None = None
         self._closed = False
-        #: Endpoints of consumers declared gone, latest last (see ``readers_gone``).
-        self._gone: OrderedDict[str, None] = OrderedDict()
+        #: Puts begun so far: a payload's put tells when it began, against the news of
+        #: its consumer's end.
+        self._begun = 0
+        #: Endpoints of consumers declared gone, latest last, each with the puts begun
+        #: before the news (see ``readers_gone``).
+        self._gone: OrderedDict[str, int] = OrderedDict()
         self.chunks = 0
         self.bytes = 0
         self.errors = 0
@@ -86,6 +90,8 @@ class NetworkSender(AsyncResource):
         """
         if self._closed:
             raise self._error(f"{key}: closed")
+        begun = self._begun
+        self._begun += 1
         nbytes = encoded.nbytes
         if nbytes > self._options.capacity:
             raise self._error(
@@ -130,7 +136,7 @@ class NetworkSender(AsyncResource):
             self._capacity.give(nbytes)
             raise
         token = secrets.token_bytes(16)
-        server.hold(Held(token, sizes, nbytes, frames, blocks, express))
+        server.hold(Held(token, sizes, nbytes, frames, blocks, express, begun=begun))
         self.chunks += 1
         self.bytes += nbytes
         return NetworkDescriptor(
@@ -145,19 +151,24 @@ class NetworkSender(AsyncResource):
     def note_reader(self, descriptor: NetworkDescriptor, endpoint: str, pid: int) -> None:
         """Say where ``descriptor`` was sent: the consumer's data endpoint (and its pid,
         unused here), so that :meth:`readers_gone` can drop its payload. A payload for a
-        consumer already gone (its put finished after the news) is dropped at once."""
+        consumer already gone (its put began before the news and finished after) is dropped
+        at once; one whose put began after the news is for a consumer that came back at
+        the same endpoint (a worker that rejoined), and is kept."""
         server = self._server
         held = None if server is None else server.held.get(descriptor.token)
         if server is not None and held is not None:
             held.reader = endpoint
-            if endpoint in self._gone:
-                server.drop_for({endpoint})
+            news = self._gone.get(endpoint)
+            if news is not None and held.begun < news:
+                server.drop(held)
 
     def readers_gone(self, endpoints: set[str]) -> None:
         """Drop the payloads sent to consumers that are gone (declared dead by the master):
-        none of them will be fetched, and a fetch under way will not complete."""
+        none of them will be fetched, and a fetch under way will not complete. So are those
+        whose puts are under way now, as they finish (:meth:`note_reader`)."""
         for endpoint in endpoints:
-            self._gone[endpoint] = None
+            self._gone.pop(endpoint, None)  # latest last
+            self._gone[endpoint] = self._begun
         while len(self._gone) > _GONE_KEPT:
             self._gone.popitem(last=False)
         if self._server is not None:

@@ -176,6 +176,10 @@ class Server:
         """Serve ``held`` to the first receiver that fetches its token."""
         self.held[held.token] = held
 
+    def drop(self, held: Held) -> None:
+        """Drop ``held`` (no receiver will fetch it), returning its unsent blocks."""
+        self._drop(held)
+
     def drop_for(self, readers: set[str]) -> int:
         """Drop every payload sent to one of ``readers``, fetched or not; how many."""
         gone = [held for held in self.held.values() if held.reader in readers]

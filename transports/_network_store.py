@@ -87,6 +87,8 @@ class Held:
         express: it is one small frame, sent as soon as it is fetched.
         sending: a receiver fetched it; a second fetch is refused.
         reader: where it was sent (the consumer's data endpoint), once the runtime said.
+        begun: how many puts its sender had begun before this one (see
+            ``NetworkSender.readers_gone``).
     """
 
     token: bytes
@@ -97,6 +99,7 @@ class Held:
     express: bool
     sending: bool = False
     reader: str = ""
+    begun: int = 0
 
 
 def piece_views(encoded: Encoded, *, copy: bool) -> list[tuple[memoryview, bool]]:

@@ -150,23 +150,35 @@ async def ends() -> AsyncIterator[tuple[NetworkSender, NetworkReceiver]]:
         yield sender, rx
 
 
-async def test_payloads_for_a_consumer_declared_gone_are_dropped(
-    ends: tuple[NetworkSender, NetworkReceiver],
-) -> None:
+async def test_payloads_for_a_consumer_declared_gone_are_dropped() -> None:
     """What is held for a consumer declared gone is dropped, and so is a payload whose put
-    finished after the news; payloads for other consumers stay."""
-    sender, _ = ends
-    first = await sender.put(_key(), Encoded(b"h", (bytes(1000),)), timeout=5)
-    other = await sender.put(_key(), Encoded(b"h", (bytes(1000),)), timeout=5)
-    sender.note_reader(first, "tcp://127.0.0.1:1", 0)
-    sender.note_reader(other, "tcp://127.0.0.1:2", 0)
-    assert sender.statistics().held == 2
-    sender.readers_gone({"tcp://127.0.0.1:1"})
-    assert sender.statistics().held == 1
-    late = await sender.put(_key(), Encoded(b"h", (bytes(1000),)), timeout=5)
-    sender.note_reader(late, "tcp://127.0.0.1:1", 0)
-    assert sender.statistics().held == 1
-    assert sender.held_bytes == 1000 + 1  # the other one's header and buffer
+    began before the news and finished after it; payloads for other consumers stay. A put
+    begun after the news is for a consumer back at the same endpoint (a worker that
+    rejoined after being declared dead): it used to be dropped too, failing every request
+    the rejoined consumer took."""
+    gone, other_reader = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
+    payload = Encoded(b"h", (bytes(1000),))
+    transport = NetworkTransport(capacity=f"{2 * payload.nbytes}B", fetch_timeout="5s")
+    async with transport.open_sender(_edge()) as sender:
+        first = await sender.put(_key(), payload, timeout=5)
+        other = await sender.put(_key(), payload, timeout=5)
+        sender.note_reader(first, gone, 0)
+        sender.note_reader(other, other_reader, 0)
+        # Begun before the news: it waits for room until the gone consumer's payload goes.
+        late = asyncio.ensure_future(sender.put(_key(), payload, timeout=5))
+        await asyncio.sleep(0)
+        assert not late.done()
+        assert sender.statistics().held == 2
+        sender.readers_gone({gone})
+        assert sender.statistics().held == 1
+        sender.note_reader(await late, gone, 0)
+        assert sender.statistics().held == 1
+        assert sender.held_bytes == payload.nbytes  # the other consumer's
+        # The consumer is back at its endpoint: what is put for it now stays.
+        back = await sender.put(_key(), payload, timeout=5)
+        sender.note_reader(back, gone, 0)
+        assert sender.statistics().held == 2
+        assert sender.held_bytes == 2 * payload.nbytes
 
 
 # -- a producer in another process ---------------------------------------------------------
