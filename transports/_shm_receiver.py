@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 
 from pipeline._encoded import DECODE_ERRORS, Buffer, Encoded
-from pipeline._errors import TransportError
+from pipeline._errors import ProducerLost, TransportError
 from pipeline._latency import LatencyRecorder
 from transports._liveness import pid_namespace
 from transports._protocol import (
@@ -132,9 +132,9 @@ class ShmReceiver(AsyncResource):
         self.bytes = 0
         self.errors = 0
 
-    def _error(self, message: str) -> TransportError:
+    def _error(self, message: str, kind: type[TransportError] = TransportError) -> TransportError:
         self.errors += 1
-        return TransportError(f"shm receiver for edge {self._edge.edge!r}: {message}")
+        return kind(f"shm receiver for edge {self._edge.edge!r}: {message}")
 
     def decode_descriptor(self, raw: bytes | memoryview) -> ShmDescriptor:
         """Parse and validate an shm descriptor.
@@ -151,9 +151,11 @@ class ShmReceiver(AsyncResource):
         """The payload the descriptor names, as views into shared memory (or a copy).
 
         Raises:
-            TransportError: the descriptor is not an shm one, names another host, a segment
-                that is gone, a slot or range the segment does not have, or an extent that
-                was released or reused (stale); or the receiver is closed.
+            ProducerLost: the segment is gone (its producer died or closed it), so the
+                payload is too.
+            TransportError: the descriptor is not an shm one, names another host, a slot
+                or range the segment does not have, or an extent that was released or
+                reused (stale); or the receiver is closed.
         """
         started = time.perf_counter_ns()
         if self._closed:
@@ -172,11 +174,13 @@ class ShmReceiver(AsyncResource):
             try:
                 attachment = await self._attach(d.segment)
             except TransportError as exc:
-                raise self._error(str(exc)) from exc
+                raise self._error(str(exc), type(exc)) from exc
         segment = attachment.segment
         if attachment.orphaned:
             # Dropped while this get waited to attach: its producer is gone.
-            raise self._error(f"segment {d.segment} is gone: its producer closed it or died")
+            raise self._error(
+                f"segment {d.segment} is gone: its producer closed it or died", ProducerLost
+            )
         if segment.closed_by_owner():
             self._orphan(attachment)
             raise self._error(f"stale descriptor: segment {d.segment} was closed by its producer")

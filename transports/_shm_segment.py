@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from pipeline._errors import TransportError
+from pipeline._errors import ProducerLost, TransportError
 from pipeline._units import format_size
 from transports._liveness import pid_alive, pid_namespace
 from transports._shm_arena import align_up
@@ -261,7 +261,8 @@ def attach_segment(name: str) -> Segment:
     The segment is not registered anywhere: only its owner may remove it.
 
     Raises:
-        TransportError: there is no such segment, or it is not a valid one.
+        ProducerLost: there is no such segment (its producer closed it or died).
+        TransportError: the name or the segment is not a valid one.
     """
     if not _NAME_RE.fullmatch(name):
         raise TransportError(f"{name!r} is not an shm segment name")
@@ -269,7 +270,7 @@ def attach_segment(name: str) -> Segment:
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise TransportError(
+        raise ProducerLost(
             f"shm segment {name!r} does not exist: its producer closed it or died"
         ) from None
     except OSError as exc:

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from pipeline._codec import codec_for
 from pipeline._encoded import Encoded
-from pipeline._errors import TransportError, TransportFull
+from pipeline._errors import ProducerLost, TransportError, TransportFull
 from pipeline._host import host_identity
 from pipeline._keys import ChunkKey
 from pipeline.testing import TransportConformance
@@ -554,7 +554,10 @@ async def test_free_space_is_checked_before_creating() -> None:
 
 
 async def test_closed_or_removed_segment_is_refused(spawned: list[int]) -> None:
-    """Descriptors of a segment its producer closed, or that was removed, are TransportErrors."""
+    """Descriptors of a segment its producer closed, or that was removed, are TransportErrors.
+    A removed one (its producer killed, the segment swept) is ProducerLost, which the
+    consumer's channel reports as the producer's stage being unavailable, as for network;
+    it was a plain TransportError, which tells a dead producer from nothing."""
     async with _ends() as (sender, receiver):
         first = await sender.put(_key(), _blob(1, 100), timeout=STEP)
         second = await sender.put(_key(1), _blob(2, 100), timeout=STEP)
@@ -567,7 +570,7 @@ async def test_closed_or_removed_segment_is_refused(spawned: list[int]) -> None:
     async with _ends() as (sender, receiver):
         desc = await sender.put(_key(), _blob(1, 100), timeout=STEP)
         assert remove_segments_of([os.getpid()], held_too=True) == [sender.segment_name]
-        with pytest.raises(TransportError, match="does not exist"):
+        with pytest.raises(ProducerLost, match="does not exist"):
             await receiver.get(desc)
 
 
