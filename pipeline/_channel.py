@@ -106,6 +106,9 @@ QUEUED_SHARE = 0.25
 QUEUED_RECHECK_S = 0.05
 #: Past this many requests noted as queued on an edge, those no longer queued are pruned.
 QUEUED_READERS_PRUNE = 1024
+#: How long a closing input channel waits at most for the releases under way (seconds):
+#: each takes a write to shared memory or a message, unless its transport is stuck.
+RELEASES_WAIT_S = 5.0
 
 
 @runtime_checkable
@@ -1243,7 +1246,12 @@ class InputChannel:
         }
 
     async def aclose(self) -> None:
-        """Close every transport end; idempotent."""
+        """Close every transport end, once the releases under way have finished (those of
+        requests just ended: a closed end would ignore them, and the producer hold their
+        payloads); idempotent."""
+        pending = [task for task in _background if not task.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=RELEASES_WAIT_S)
         for recv in self._receivers.values():
             await recv.aclose()
 

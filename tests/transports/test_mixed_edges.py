@@ -636,6 +636,26 @@ def test_the_mix_is_real_and_nothing_is_left_in_dev_shm(host: str) -> None:
     _run(host, scenario, plan.sizes)
 
 
+def test_a_channel_closed_as_its_requests_end_gives_their_payloads_back() -> None:
+    """A stage shutting down forgets every request (releasing what their buffers hold),
+    then closes its channels at once (``StageActor.aclose``). The releases ran after the
+    close, which ignored them: the producer's shm arena kept the extents while both
+    processes lived. They now finish before the channel's transports close."""
+    sizes = [10_000] * 3
+
+    async def scenario(producer: Producer, consumer: Consumer) -> None:
+        frames = await producer.produce(sizes, 0, len(sizes), True, [True] * len(sizes))
+        for frame in frames:
+            consumer.deliver(frame)
+        assert await producer.held() == {"shm": len(sizes)}
+        consumer.inflow.end(RequestAborted(RID, "stage shutting down"))
+        await consumer.inp.aclose()
+        # The extents are free once the producer looks (its next statistics or put).
+        await wait_for(functools.partial(_held, producer, {}), SETTLE_TIMEOUT)
+
+    _run("h1", scenario, sizes)
+
+
 async def _held(producer: Producer, expected: dict[str, int]) -> bool:
     return await producer.held() == expected
 
