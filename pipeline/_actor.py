@@ -422,7 +422,8 @@ class StageActor:
                 self._table_changed = asyncio.Event()
             changed = self._table_changed
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await changed.wait()
             if self._requests.get(rid) is not req:
                 raise _ended(rid)
             target = self._target(dst, req)

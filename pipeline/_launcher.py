@@ -198,7 +198,8 @@ class LocalLauncher:
             # The backoff, cut short by a close: nothing is restarted then.
             backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2**done)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closed.wait(), backoff)
+                async with asyncio.timeout(backoff):
+                    await self._closed.wait()
             if self.closing():
                 return
             log.info("worker_restarting", stage=stage, replica=replica, attempt=done + 1)

@@ -276,9 +276,11 @@ class Orchestrator:
                     raise StageUnavailable(exc.stage, waited) from None
             if self._readiness is None or self._readiness.done():
                 self._readiness = loop.create_future()
-            # Shielded: one waiter's timeout must not cancel what the others wait on.
+            # Shielded: one waiter's timeout must not cancel what the others wait on. Not
+            # wait_for, which on Python 3.11 loses a cancel that lands as the wait ends.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._readiness), left)
+                async with asyncio.timeout(left):
+                    await asyncio.shield(self._readiness)
 
     def replica_ready(self, stage: str, replica: int) -> None:
         """Mark a replica ready; requests waiting for its stage try again."""

@@ -116,6 +116,25 @@ async def test_a_waiting_request_cancelled_by_its_caller_gives_its_slot_back() -
         assert (await pipe.statistics())["client"]["active"] == 0
 
 
+async def test_a_cancel_landing_as_the_replica_becomes_ready_is_kept() -> None:
+    """A caller's cancel that lands in the loop turn in which the awaited replica becomes
+    ready (its Ready and a client's timeout together) ends the submit. The wait for the
+    replica used ``asyncio.wait_for``, which on Python 3.11 returns the result then and
+    loses the cancel: the request was admitted and ran to its end."""
+    async with Pipeline(spec({"echo": ":Echo"}, [], replica_wait="60s")) as pipe:
+        orch = pipe._master_or_fail().orch
+        orch.replicas["echo"][0].ready = False  # as while its worker restarts
+        waiting = asyncio.ensure_future(pipe.submit(Text("x")))
+        await wait_for(lambda: orch.counts["waited"] == 1)
+        orch.replica_ready("echo", 0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiting, 30)
+        assert orch.counts["submitted"] == orch.counts["completed"] + orch.counts["aborted"]
+        assert orch.counts["completed"] == 0
+        assert await asyncio.wait_for(pipe.submit(Text("next")), 30) == Text("next")
+
+
 async def test_a_hung_worker_is_ended_and_its_slot_restarted() -> None:
     """A local worker declared dead for its silence (hung: stopped here) is killed by the
     launcher that started it, and restarted: the slot serves again."""
