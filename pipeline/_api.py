@@ -74,6 +74,8 @@ class ResponseStream:
         self._starting: asyncio.Future[ClientRequest] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
+        #: A task is in ``__anext__``: a second one at once is refused.
+        self._reading = False
 
     def __del__(self) -> None:
         # Dropped unfinished (a ``break`` out of ``async for``, or never read to the end):
@@ -168,10 +170,25 @@ class ResponseStream:
             PayloadError: a payload did not match its declared type.
             RequestTimeout: the request passed its deadline.
             RequestAborted: the request was aborted, or the pipeline closed.
-            RuntimeError: the pipeline is not running, or runs on another event loop.
+            RuntimeError: the pipeline is not running, or runs on another event loop; or
+                another task is reading this stream now (the request goes on).
         """
         if self._done:
             raise StopAsyncIteration
+        if self._reading:
+            # Each chunk goes to one reader: two at once would split the stream between
+            # them (and used to fail the request with a bare KeyError).
+            raise RuntimeError(
+                "another task is reading this stream: read a request's stream from one "
+                "task at a time (share its chunks from there if several need them)"
+            )
+        self._reading = True
+        try:
+            return await self._next()
+        finally:
+            self._reading = False
+
+    async def _next(self) -> Any:
         if self._req is None:
             await self.start()
             assert self._req is not None

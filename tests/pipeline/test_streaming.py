@@ -182,6 +182,42 @@ async def test_a_read_after_a_request_with_several_sinks_ended_leaves_no_stray_e
     assert not reported, [c.get("message") for c in reported]
 
 
+async def test_a_second_task_reading_a_stream_at_once_is_refused(tmp_path) -> None:
+    """A read of a request's stream while another task's read of it waits is refused with
+    a RuntimeError that says so, and the request goes on: the first reader gets every
+    chunk. With several sinks the second read used to fail with a bare KeyError, and with
+    one the first was told the client had cancelled; either way the request was aborted."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    s = spec(
+        {
+            "a": {"impl": ":TokensWhenTold", "env": {"LINGER_FIFO": str(fifo)}},
+            "b": ":Relay",
+            "c": ":Relay",
+        },
+        [("a", "b"), ("a", "c")],
+    )
+    async with Pipeline(s) as pipe:
+        stream = pipe.stream(Text("one two"))
+        await stream.start()
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # it waits for the first chunk, which the FIFO holds back
+        assert not first.done()
+        with pytest.raises(RuntimeError, match="another task is reading this stream"):
+            await stream.__anext__()
+        await wait_for(lambda: told(fifo))
+        chunks = [await asyncio.wait_for(first, 30)]
+        chunks += [c async for c in stream]
+        assert sorted((c.stage, c.value.index, c.value.value) for c in chunks) == [
+            ("b", 0, "one"),
+            ("b", 1, "two"),
+            ("c", 0, "one"),
+            ("c", 1, "two"),
+        ]
+        stats = await pipe.statistics()
+        assert (stats["client"]["completed"], stats["client"]["aborted"]) == (1, 0)
+
+
 @pytest.mark.parametrize("transport", ["inline", "network"])
 async def test_a_stream_read_on_past_chunks_that_do_not_decode_completes(transport: str) -> None:
     """A handler may catch a chunk's PayloadError and read on. Such a chunk was taken but
