@@ -75,6 +75,7 @@ from pipeline._sockets import (
     Outbox,
     RefusedPeers,
     SocketReader,
+    TooManyFrames,
     bind_ephemeral,
     new_context,
     set_heartbeats,
@@ -274,7 +275,9 @@ class Master:
             token=self.token,
             device=self._device,
         )
-        self._control_reader = SocketReader(self.router, self._on_control, self._on_error)
+        self._control_reader = SocketReader(
+            self.router, self._on_control, self._on_error, max_frames=2
+        )
         on_data = self.outbox.flushing_after(self.orch.on_data)
         if local_links_enabled():
             self.local = LocalListener(self._on_error, max_message=MAX_DATA_FRAME)
@@ -331,6 +334,9 @@ class Master:
     # ---- receiving -----------------------------------------------------------------------
 
     def _on_error(self, exc: BaseException, frames: list[bytes]) -> None:
+        if isinstance(exc, TooManyFrames):  # a peer's garbage, not a failure here
+            self._dropped(str(exc))
+            return
         self.garbage += 1
         log.warning("message_failed", error=repr(exc))
 

@@ -35,6 +35,7 @@ __all__ = (
     "Sealable",
     "SendData",
     "SocketReader",
+    "TooManyFrames",
     "bind_ephemeral",
     "new_context",
     "set_heartbeats",
@@ -147,24 +148,43 @@ def _ms(seconds: float, least: int, most: int) -> int:
     return most if seconds * 1000 >= most else max(least, round(seconds * 1000))
 
 
+class TooManyFrames(ValueError):
+    """A message had more frames than its socket's reader takes (it was dropped unread)."""
+
+
 class SocketReader:
     """Drains one socket into ``on_message`` whenever it becomes readable.
 
     ``on_message`` receives the list of frames as ``bytes``; it must not block, and any
     exception it raises is passed to ``on_error`` so one bad message never stops the reader.
+    A message of more than ``max_frames`` frames is dropped as it is read, past that many
+    copied out of ZeroMQ (``on_error`` gets a :class:`TooManyFrames` and the first ones):
+    ``MAXMSGSIZE`` caps each frame, not a message. (ZeroMQ itself has the whole message
+    before it delivers its first frame; only CURVE keeps a hostile peer out.)
     """
 
-    __slots__ = ("_loop", "_on_error", "_on_message", "_registered", "_scheduled", "sock")
+    __slots__ = (
+        "_loop",
+        "_max_frames",
+        "_on_error",
+        "_on_message",
+        "_registered",
+        "_scheduled",
+        "sock",
+    )
 
     def __init__(
         self,
         sock: zmq.Socket[Any],
         on_message: Callable[[list[bytes]], None],
         on_error: Callable[[BaseException, list[bytes]], None],
+        *,
+        max_frames: int = MAX_FRAMES + 1,
     ) -> None:
         self.sock = sock
         self._on_message = on_message
         self._on_error = on_error
+        self._max_frames = max_frames
         self._loop = asyncio.get_running_loop()
         self._registered = False
         self._scheduled = False
@@ -196,12 +216,16 @@ class SocketReader:
         # A bounded batch per wake-up keeps one busy socket from starving the loop.
         for _ in range(256):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames, count = self._recv(sock)
             except zmq.Again:
                 return
             except zmq.ZMQError:
                 return  # closed under us during shutdown
             try:
+                if count > len(frames):
+                    raise TooManyFrames(
+                        f"a message of {count} frames, where at most {self._max_frames} are taken"
+                    )
                 self._on_message(frames)
             except Exception as exc:
                 # A failing error handler must not stop the reader either: ZMQ's descriptor
@@ -209,6 +233,24 @@ class SocketReader:
                 with contextlib.suppress(Exception):
                     self._on_error(exc, frames)
         self.kick()
+
+    def _recv(self, sock: zmq.Socket[Any]) -> tuple[list[bytes], int]:
+        """The next message's first ``max_frames`` frames, and how many it had (the frames
+        past those are read and dropped, never copied out of ZeroMQ).
+
+        Raises:
+            zmq.Again: no message is waiting.
+            zmq.ZMQError: the socket closed.
+        """
+        frames = [sock.recv(zmq.NOBLOCK)]
+        count, limit = 1, self._max_frames
+        while sock.getsockopt(zmq.RCVMORE):
+            count += 1
+            if count <= limit:
+                frames.append(sock.recv())
+            else:
+                sock.recv(copy=False)
+        return frames, count
 
     def stop(self) -> None:
         """Stop watching the socket (it stays open)."""

@@ -95,6 +95,7 @@ from pipeline._sockets import (
     Outbox,
     RefusedPeers,
     SocketReader,
+    TooManyFrames,
     bind_ephemeral,
     for_endpoint,
     new_context,
@@ -285,6 +286,11 @@ class _Worker:
             self.assignment.set_exception(Refused(reason))
 
     def _on_error(self, exc: BaseException, frames: list[bytes]) -> None:
+        if isinstance(exc, TooManyFrames):  # a peer's garbage, not a failure here
+            self.garbage = count_dropped(
+                log, "garbage_dropped", self.garbage, stage=self.stage, why=str(exc)
+            )
+            return
         self.garbage += 1
         log.warning("message_failed", stage=self.stage, error=repr(exc))
 

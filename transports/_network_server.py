@@ -132,7 +132,9 @@ class Server:
         #: How long transfers took from fetch to last frame handed to ZMQ (µs).
         self.latency = LatencyRecorder()
         self._sock, self.endpoint = self._bind()
-        self._reader = SocketReader(self._sock, self._on_message, self._on_bad_message)
+        self._reader = SocketReader(
+            self._sock, self._on_message, self._on_bad_message, max_frames=2
+        )
         self._reader.start()
         # Connections ZMQ refused before any message (garbage bytes, wrong keys) count too.
         try:
