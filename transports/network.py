@@ -18,8 +18,9 @@ holds each payload and the consumer pulls it::
   What arrives is writable, so the codec shares it instead of copying. ``put`` copies every
   piece that could change afterwards (tensors, bytearrays) into pooled blocks, so the
   producer may reuse its tensors as soon as ``put`` returns; ``bytes`` pieces are sent by
-  reference. ``copy_on_put: false`` sends large buffers by reference too, for producers
-  that never modify a payload after putting it (small ones are still packed, a copy).
+  reference. ``copy_on_put: false`` sends tensors by reference too, for producers that
+  never modify a payload after putting it (small pieces are still packed together, a
+  copy, unless one travels alone in its frame).
 - **Bounds.** A sender holds at most ``capacity`` bytes (1 GiB) unfetched; ``put`` waits for
   room up to its deadline, then raises :class:`TransportFull`, and a payload larger than the
   whole capacity fails at once. A ``get`` fails, naming the endpoint, at once if the
@@ -62,9 +63,9 @@ class NetworkTransport:
         window: bytes in flight to one consumer before the producer waits for its
             acknowledgement (default 32 MiB; at least one segment).
         copy_on_put: copy tensors and other mutable buffers at ``put`` (default true).
-            False sends large ones by reference too (small ones are still packed, a
-            copy): faster, but the producer must then never modify a payload after putting
-            it.
+            False sends them by reference too (small pieces are still packed together,
+            a copy, unless one travels alone in its frame): faster, but the producer must
+            then never modify a payload after putting it.
 
     Raises:
         ConfigError: an option is malformed or out of range.
