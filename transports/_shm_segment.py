@@ -393,14 +393,20 @@ def _sweep_once() -> None:
 # Segments this process created and has not destroyed, with the pid that created them: a
 # child forked later inherits this table but must not unlink its parent's segments.
 _owned: dict[str, int] = {}
-_owned_lock = threading.Lock()
+#: Reentrant: any allocation under it may run the cycle collector, whose finalizers may
+#: destroy a sender left in a cycle, which takes it again in the same thread.
+_owned_lock = threading.RLock()
 
 
 @atexit.register
 def _unlink_owned_at_exit() -> None:
     """Unlink this process's segments whose senders were never closed."""
+    global _owned
     with _owned_lock:
-        names = [name for name, pid in _owned.items() if pid == os.getpid()]
-        _owned.clear()
-    for name in names:
-        _unlink(name)
+        # Swapped, not iterated in place: a finalizer run meanwhile (see _owned_lock)
+        # removes its segment from the table, which must not change under the loop.
+        owned, _owned = _owned, {}
+    pid = os.getpid()
+    for name, creator in owned.items():
+        if creator == pid:
+            _unlink(name)
