@@ -21,7 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import TransportError
-from pipeline._security import process_keys, secure_client
+from pipeline._security import HANDSHAKE_FAILED, handshake_failure, process_keys, secure_client
 from transports._network_inbound import DISCARD, PENDING, Inbound, ProtocolError
 from transports._network_wire import MAX_SEGMENT, Control, Fetch, Part, Status
 
@@ -57,8 +57,9 @@ class Handler(Protocol):
     def fail(self, inbound: Inbound, why: str, *, drop: bool) -> None:
         """``inbound`` cannot complete; ``drop`` asks the producer to forget it."""
 
-    def connection_lost(self, conn: Connection, why: str) -> None:
-        """The connection ended; nothing pending on it will arrive."""
+    def connection_lost(self, conn: Connection, why: str, *, refused: bool = False) -> None:
+        """The connection ended (``refused``: the producer refused its handshake, so it
+        may well be alive); nothing pending on it will arrive."""
 
     def garbage(self, conn: Connection, why: str) -> None:
         """A message from the producer that is not one was dropped."""
@@ -80,6 +81,7 @@ class Connection:
         "_fetch_queue",
         "_flush_scheduled",
         "_handler",
+        "_keys",
         "_loop",
         "_monitor",
         "_monitor_fd",
@@ -93,8 +95,9 @@ class Connection:
         self._handler = handler
         self.endpoint = endpoint
         self._loop = asyncio.get_running_loop()
+        self._keys = process_keys()
         sock: zmq.Socket[bytes] = secure_client(
-            zmq.Context.instance().socket(zmq.DEALER), process_keys()
+            zmq.Context.instance().socket(zmq.DEALER), self._keys
         )
         try:
             sock.setsockopt(zmq.LINGER, 0)
@@ -104,7 +107,7 @@ class Connection:
             # Frames above the largest segment are refused before they are allocated.
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_SEGMENT)
             sock.setsockopt(zmq.IPV6, 1)
-            monitor = sock.get_monitor_socket(_LOST)
+            monitor = sock.get_monitor_socket(_LOST | HANDSHAKE_FAILED)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise TransportError(f"cannot open a socket to producer {endpoint}: {exc}") from exc
@@ -262,16 +265,25 @@ class Connection:
     def _on_event(self) -> None:
         monitor = self._monitor
         lost: str | None = None
+        refusal: str | None = None
         while not monitor.closed:
             try:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.ZMQError:
                 break  # zmq.Again: drained (or closed under us).
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            kind = event["event"]
+            if kind & HANDSHAKE_FAILED:
+                # The producer's process is there, and refused us (or we it): what to
+                # check is the keys, not whether it died (the disconnection that follows
+                # would say so).
+                refusal = handshake_failure(kind, self.endpoint, self._keys)
+            elif kind == zmq.EVENT_DISCONNECTED:
                 lost = "the connection closed (the producer exited or closed its end)"
-            elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
+            elif kind == zmq.EVENT_CONNECT_RETRIED:
                 lost = "the connection was refused or failed (nothing listens there now)"
-        if lost is not None:
+        if refusal is not None:
+            self._handler.connection_lost(self, refusal, refused=True)
+        elif lost is not None:
             self._handler.connection_lost(self, lost)
 
     def close(self, linger_ms: int = 0) -> None:

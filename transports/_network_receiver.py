@@ -310,10 +310,13 @@ class NetworkReceiver(AsyncResource):
             _log, "network_message_dropped", self.errors, producer=conn.endpoint, why=why
         )
 
-    def connection_lost(self, conn: Connection, why: str) -> None:
-        """Fail every inbound on ``conn``, and forget the connection if nothing else uses it."""
+    def connection_lost(self, conn: Connection, why: str, *, refused: bool = False) -> None:
+        """Fail every inbound on ``conn`` (``ProducerLost``, or a plain ``TransportError``
+        when the producer refused the handshake), and forget the connection if nothing
+        else uses it."""
+        error = TransportError if refused else ProducerLost
         for inbound in list(conn.fetches.values()):
-            self.fail(inbound, why, drop=False, error=ProducerLost)
+            self.fail(inbound, why, drop=False, error=error)
         for lane, known in list(self._conns.items()):
             if known is conn:
                 # A later inbound reconnects; meanwhile no socket retries a dead endpoint.

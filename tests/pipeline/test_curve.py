@@ -26,7 +26,7 @@ import zmq
 
 from pipeline import ConfigError, MasterUnavailable, Pipeline
 from pipeline._encoded import Encoded
-from pipeline._errors import TransportError
+from pipeline._errors import ProducerLost, TransportError
 from pipeline._keys import ChunkKey
 from pipeline._security import (
     KEYS_ENV,
@@ -281,10 +281,12 @@ async def test_submit_and_connect_need_the_pair(keys: Path, tmp_path: Path) -> N
 
 
 async def test_network_transport_speaks_curve_and_refuses_a_consumer_without_the_pair(
-    keys: Path, no_process_keys: None
+    keys: Path, tmp_path: Path, no_process_keys: None
 ) -> None:
     """The producer's listening socket demands CURVE once the process has the pair; a
-    consumer with it fetches, one without it fails with a TransportError, not a hang."""
+    consumer with it fetches, one without it or with another pair fails with a
+    TransportError that names the keys, not a hang. It used to say the producer had exited
+    (ProducerLost), which its consumer reported as the producer's stage being gone."""
     set_process_keys(load_keys(keys))
     transport = NetworkTransport(fetch_timeout=2)
     edge = EdgeContext("a->b", "here")
@@ -295,11 +297,15 @@ async def test_network_transport_speaks_curve_and_refuses_a_consumer_without_the
             got = await receiver.get(desc)
             assert bytes(got.header) == b"h" and bytes(got.buffers[0]) == b"x" * 1000
             await receiver.release(desc)
-        desc = await sender.put(ChunkKey("r", "a->b", 1), Encoded(b"h", (b"y" * 10,)), timeout=5)
-        set_process_keys(None)
-        async with transport.open_receiver(edge) as receiver:
-            with pytest.raises(TransportError):
-                await asyncio.wait_for(receiver.get(desc), 30)
+        others = load_keys(_keys(tmp_path / "others"))
+        for mine, says in [(None, "one side uses CURVE"), (others, "the keys do not match")]:
+            desc = await sender.put(ChunkKey("r", "a->b", 1), Encoded(b"h", (b"y",)), timeout=5)
+            set_process_keys(mine)
+            async with transport.open_receiver(edge) as receiver:
+                with pytest.raises(TransportError, match="--keys DIR") as failed:
+                    await asyncio.wait_for(receiver.get(desc), 30)
+            assert says in str(failed.value)
+            assert not isinstance(failed.value, ProducerLost)
 
 
 def test_a_server_whose_handler_is_gone_admits_nobody(keys: Path) -> None:
