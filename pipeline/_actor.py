@@ -274,11 +274,12 @@ class StageActor:
             self._only_output = next(iter(self._outputs.items()))
         self._batcher: Batcher | None = None
         if plan.signature.batched and plan.spec.max_batch_size > 1:
-            # No more than max_concurrency requests are ever in the handler at once: a batch
-            # waiting for more would wait out max_wait_ms every time.
+            # No more than max_concurrency requests are ever in the handler at once, nor
+            # more than the pipeline admits (max_inflight): a batch waiting for more would
+            # wait out max_wait_ms every time.
             self._batcher = Batcher(
                 instance,
-                min(plan.spec.max_batch_size, plan.spec.max_concurrency),
+                min(plan.spec.max_batch_size, plan.spec.max_concurrency, max_inflight),
                 plan.spec.max_wait_ms / 1000,
             )
         self._chunk_timeout = max(e.chunk_timeout for e in plan.inputs.values())

@@ -58,6 +58,17 @@ async def test_a_batch_closes_when_every_request_the_replica_admits_is_in_it() -
     assert outs == [Text(f"T{i}#4") for i in range(4)]
 
 
+async def test_a_batch_closes_when_every_request_the_pipeline_admits_is_in_it() -> None:
+    """max_batch_size above the pipeline's max_inflight: no more requests can reach the
+    stage than the pipeline admits, so the batch closes then; it used to wait out
+    max_wait_ms (a minute here) every time."""
+    stage = {"impl": ":Batched", "max_batch_size": 32, "max_wait_ms": 60_000}
+    async with Pipeline(spec({"b": stage}, [], max_inflight=2)) as pipe:
+        async with asyncio.timeout(20):
+            outs = await asyncio.gather(*(pipe.submit(Text(f"t{i}")) for i in range(4)))
+    assert outs == [Text(f"T{i}#2") for i in range(4)]
+
+
 class _Echoes:
     async def process_batch(self, items: list[Any], ctxs: list[Context]) -> list[Any]:
         return items
