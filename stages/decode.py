@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline import Context, Stream
@@ -77,11 +78,29 @@ class Decode(DecoderStage):
         """The whole cache and the first token, checked for order and completeness."""
         cache: list[LayerKV] = []
         first: int | None = None
+        config = TINY_VLM
+        positions: int | None = None
         async for chunk in kv:
             if chunk.layer != len(cache):
                 raise ValueError(f"KV for layer {chunk.layer} arrived where {len(cache)} was due")
+            # Checked here, where a bad request fails alone: in a batched step its error
+            # would reach every request of the batch.
+            for name, t in (("keys", chunk.keys), ("values", chunk.values)):
+                if positions is None:
+                    positions = t.shape[1] if t.dim() == 3 else 0
+                expected = (config.n_heads, positions, config.head_dim)
+                if t.dtype != torch.float32 or tuple(t.shape) != expected:
+                    raise ValueError(
+                        f"KV layer {chunk.layer} {name} must be float32 of shape {expected} "
+                        f"(heads, positions, head_dim); got {t.dtype} of shape {tuple(t.shape)}"
+                    )
             cache.append((chunk.keys.to(self.device), chunk.values.to(self.device)))
             first = chunk.first_token
+        if positions is not None and not 0 < positions <= config.max_context:
+            raise ValueError(
+                f"the KV cache holds {positions} positions, where the context holds 1 to "
+                f"{config.max_context}"
+            )
         if len(cache) != TINY_VLM.decoder_layers:
             raise ValueError(f"prefill sent {len(cache)} of {TINY_VLM.decoder_layers} KV layers")
         if first is None:

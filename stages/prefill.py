@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import torch
+
 from pipeline import Context
 from stages.decoder_stage import DecoderStage
 from stages.model import BOS, TINY_VLM
@@ -30,14 +32,16 @@ class Prefill(DecoderStage):
         """
         config = TINY_VLM
         expected = (config.n_patches, config.d_model)
-        if tuple(encode.values.shape) != expected:
+        image = encode.values
+        if image.dtype != torch.float32 or tuple(image.shape) != expected:
             raise ValueError(
-                f"image embeddings must have shape {expected}; got {tuple(encode.values.shape)}"
+                f"image embeddings must be float32 of shape {expected}; "
+                f"got {image.dtype} of shape {tuple(image.shape)}"
             )
         ids = preprocess.ids
         if not ids or ids[0] != BOS or not all(0 <= i < config.vocab_size for i in ids):
             raise ValueError("token ids must start with BOS and lie within the vocabulary")
-        for layer in self.decoder.prefill(encode.values.to(self.device), ids):
+        for layer in self.decoder.prefill(image.to(self.device), ids):
             keys, values = layer.kv
             yield KVChunk(
                 layer=layer.index, keys=keys, values=values, first_token=layer.first_token

@@ -135,19 +135,43 @@ class StepBatcher:
         if not group:
             return
         started = time.perf_counter()
-        try:
-            if len(group) == 1:
-                tokens = [self._decoder.step(group[0][0], group[0][1])]
-            else:
+        if len(group) == 1:
+            token, cache, future = group[0]
+            try:
+                tokens = [self._decoder.step(token, cache)]
+            except Exception as exc:
+                future.set_exception(exc)
+                return
+        else:
+            # A batched step extends the caches layer by layer: kept as they were, so that
+            # a failed batch can run again request by request.
+            before = [list(w[1]) for w in group]
+            try:
                 tokens = self._decoder.step_many([w[0] for w in group], [w[1] for w in group])
                 self.batches += 1
                 self.batched_steps += len(group)
-        except Exception as exc:  # each request of the batch fails with it
-            for _, _, future in group:
-                future.set_exception(exc)
-            return
+            except Exception:
+                # One request's bad cache must fail that request alone, not its batch-mates.
+                for (_, cache, _), kept in zip(group, before, strict=True):
+                    cache[:] = kept
+                self._run_alone(group)
+                return
         ran = time.perf_counter() - started
         self.steps += 1
         self.request_steps += len(group)
         for (_, _, future), next_token in zip(group, tokens, strict=True):
             future.set_result(Step(next_token, len(group), ran))
+
+    def _run_alone(self, group: list[_Waiting]) -> None:
+        """Each request's step on its own, after a batched step failed: each gets its token
+        or its own error."""
+        for token, cache, future in group:
+            started = time.perf_counter()
+            try:
+                next_token = self._decoder.step(token, cache)
+            except Exception as exc:
+                future.set_exception(exc)
+                continue
+            self.steps += 1
+            self.request_steps += 1
+            future.set_result(Step(next_token, 1, time.perf_counter() - started))

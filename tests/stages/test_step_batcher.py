@@ -146,6 +146,31 @@ async def test_a_cancelled_request_leaves_the_others_decoding(model: TinyVLM) ->
     assert [done[0], done[2]] == [expected[0], expected[2]]
 
 
+async def test_a_step_that_fails_in_a_batch_fails_only_its_own_request(model: TinyVLM) -> None:
+    """A request whose cache breaks the model step (a layer of another dtype, in its last
+    layer, so that the batch has extended the others' first layers already) fails alone:
+    its batch-mates get the tokens they get alone, their caches extended once. Every
+    request of the batch used to fail with its error."""
+    gen = torch.Generator().manual_seed(SEED)
+    decoder = model.decoder
+    with single_thread():
+        good = [_cache(gen, 12), _cache(gen, 17)]
+        expected = [list(GreedyDecoding(decoder, 5, _copy(c), 6)) for c in good]
+        bad = _cache(gen, 9)
+        bad[-1] = (bad[-1][0].double(), bad[-1][1].double())
+        batcher = StepBatcher(decoder, max_batch=8)
+        sizes: list[int] = []
+        results = await asyncio.gather(
+            _decode(batcher, GreedyDecoding(decoder, 5, good[0], 6), sizes),
+            _decode(batcher, GreedyDecoding(decoder, 5, bad, 6), sizes),
+            _decode(batcher, GreedyDecoding(decoder, 5, good[1], 6), sizes),
+            return_exceptions=True,
+        )
+    assert [results[0], results[2]] == expected
+    assert isinstance(results[1], RuntimeError), results[1]
+    assert [c[0][0].shape[1] for c in good] == [12 + 5, 17 + 5]  # five steps each, once
+
+
 async def _ticking(turns: list[int]) -> None:
     """Count loop turns: one per pass of the event loop that runs ready tasks."""
     while True:
