@@ -44,18 +44,26 @@ T = TypeVar("T")
 
 _EXT_TENSOR = 1
 _EXT_NDARRAY = 2
+#: The most dimensions a tensor or array may have on the wire (numpy's own limit).
+MAX_DIMS = 64
 
 
 class _Ref(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
     """The header's stand-in for one tensor or array: what its buffer holds, and where."""
 
     dtype: str
-    shape: tuple[Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)], ...]
+    shape: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)], ...],
+        msgspec.Meta(max_length=MAX_DIMS),
+    ]
     index: int
     device: str = "cpu"
 
 
 _REF_ENCODER = msgspec.msgpack.Encoder()
+#: What decoding a hostile header raises besides msgspec's own errors: TypeError where an
+#: array lands in a set (unhashable), a Struct's own __post_init__ refusing its fields.
+_HEADER_ERRORS: tuple[type[Exception], ...] = (*DECODE_ERRORS, TypeError)
 _REF_DECODER = msgspec.msgpack.Decoder(_Ref)
 
 
@@ -66,6 +74,9 @@ class _CallState(threading.local):
     #: Buffer index to flat CUDA bytes, for the encode in progress; None until a CUDA tensor.
     outgoing_device: dict[int, Any] | None = None
     incoming: tuple[Buffer, ...] = ()
+    #: The buffer indexes the decode in progress has rebuilt a tensor or array from: each
+    #: buffer backs one (what encode sends), so a second reference is refused.
+    taken: set[int] | None = None
     #: The device buffers of the decode in progress; None for a host-only payload.
     incoming_device: dict[int, Any] | None = None
     #: The device the decode in progress lands every tensor on; read only by the hook of a
@@ -191,11 +202,28 @@ def _enc_hook(obj: Any) -> Any:
     return msgspec.msgpack.Ext(code, _REF_ENCODER.encode(ref))
 
 
+def _take(index: int) -> None:
+    """Note that buffer ``index`` backs a tensor or array of the decode in progress.
+
+    Raises:
+        PayloadError: it backs one already. Encode never sends a buffer twice, and a header
+            that references one many times would have each reference copy it (a read-only
+            buffer), or alias it.
+    """
+    taken = _state.taken
+    if taken is None:
+        taken = _state.taken = set()
+    elif index in taken:
+        raise PayloadError(f"buffer {index} is referenced twice")
+    taken.add(index)
+
+
 def _buffer_for(ref: _Ref, itemsize: int) -> memoryview:
     """The buffer ``ref`` points at, checked for size, as a writable flat byte view."""
     buffers = _state.incoming
     if not 0 <= ref.index < len(buffers):
         raise PayloadError(f"buffer {ref.index} is referenced but only {len(buffers)} were sent")
+    _take(ref.index)
     view = memoryview(buffers[ref.index])
     expected = math.prod(ref.shape) * itemsize
     if view.nbytes != expected:
@@ -239,6 +267,7 @@ def _decode_tensor(ref: _Ref) -> Any:
     if device_buffers is not None:
         flat = device_buffers.get(ref.index)
         if flat is not None:
+            _take(ref.index)
             return _device_tensor(flat, ref, dtype, torch.uint8)
     view = _buffer_for(ref, dtype.itemsize)
     plain = _plain_dtypes()[1].get(ref.dtype)
@@ -305,6 +334,10 @@ def _decode_array(ref: _Ref) -> Any:
         raise PayloadError(f"unknown array dtype {ref.dtype!r}") from e
     if dtype.hasobject:
         raise PayloadError("numpy arrays of Python objects are not accepted")
+    if not dtype.itemsize:
+        # 'S0', 'U0': numpy widens them to one byte or character an item when it allocates,
+        # so a shape checked against 0 bytes would allocate anything.
+        raise PayloadError(f"numpy arrays of the zero-size dtype {ref.dtype!r} are not accepted")
     view = _buffer_for(ref, dtype.itemsize)
     if not view.nbytes:
         return np.empty(ref.shape, dtype)
@@ -322,7 +355,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     try:
         return _decode_tensor(ref) if code == _EXT_TENSOR else _decode_array(ref)
     # A shape that fits the buffer can still be too large for torch or numpy, e.g. (0, 2**63).
-    except (RuntimeError, ValueError, OverflowError) as e:
+    except (RuntimeError, ValueError, OverflowError, MemoryError) as e:
         raise PayloadError(f"cannot rebuild a {ref.dtype} array of shape {ref.shape}: {e}") from e
 
 
@@ -553,6 +586,7 @@ class PayloadCodec(Generic[T]):
             if buffers:
                 _state.incoming = ()
                 _state.incoming_device = None
+                _state.taken = None
 
     def _decode_onto(self, header: bytes, device: str) -> T:
         """Decode ``header`` (its buffers set already) with every tensor landing on ``device``.
@@ -569,7 +603,7 @@ class PayloadCodec(Generic[T]):
         try:
             return decoder.decode(header)
         # A ValidationError is a DecodeError too: _decode_error tells them apart.
-        except DECODE_ERRORS as e:
+        except _HEADER_ERRORS as e:
             raise self._decode_error(e) from e
 
     def onto(self, device: str) -> PayloadCodec[T]:
@@ -586,7 +620,7 @@ class PayloadCodec(Generic[T]):
         try:
             return self._decoder.decode(header)
         # A ValidationError is a DecodeError too: _decode_error tells them apart.
-        except DECODE_ERRORS as e:
+        except _HEADER_ERRORS as e:
             raise self._decode_error(e) from e
 
     def _decode_error(self, e: Exception) -> PayloadError:

@@ -520,14 +520,64 @@ def test_garbage_header(header: bytes) -> None:
         (2, ("<f4", (0, 2**63), 0)),
         (1, ("float32", (-1,), 0)),
         (1, ("float32", "not-a-shape", 0)),
+        (2, ("S0", (2**20,), 0)),
+        (2, ("U0", (2**40,), 0)),
     ],
-    ids=["dtype", "dtype-attr", "descr", "object", "tensor-huge", "array-huge", "neg", "shape"],
+    ids=[
+        "dtype",
+        "dtype-attr",
+        "descr",
+        "object",
+        "tensor-huge",
+        "array-huge",
+        "neg",
+        "shape",
+        "zero-size-bytes",
+        "zero-size-str",
+    ],
 )
 def test_bad_buffer_reference(code: int, ref: tuple[Any, ...]) -> None:
-    """A reference with an unknown dtype or an impossible shape raises PayloadError."""
+    """A reference with an unknown dtype or an impossible shape raises PayloadError; a
+    zero-size dtype ('S0', which numpy widens to one byte an item as it allocates) used to
+    decode to an array of any size from a 0-byte buffer."""
     header = msgspec.msgpack.encode({"x": msgspec.msgpack.Ext(code, msgspec.msgpack.encode(ref))})
     with pytest.raises(PayloadError):
         codec_for(Any).decode(Encoded(header, (bytearray(),)))
+
+
+@pytest.mark.parametrize("dims", [65, 60_000])
+def test_a_shape_of_more_dimensions_than_numpy_takes_is_refused_as_it_is_read(dims: int) -> None:
+    """A shape past numpy's 64 dimensions is refused by the header's schema. It used to
+    reach the size check, whose product over tens of thousands of dimensions took seconds
+    (quadratic in the shape's length: days for a header of the size inline data allows)."""
+    ref = msgspec.msgpack.encode(("<f4", (1,) * dims, 0))
+    header = msgspec.msgpack.encode({"x": msgspec.msgpack.Ext(2, ref)})
+    with pytest.raises(PayloadError, match="length <= 64"):
+        codec_for(Any).decode(Encoded(header, (bytearray(4),)))
+
+
+def test_a_buffer_referenced_twice_is_refused() -> None:
+    """Encode sends each tensor's bytes once. A header that references one buffer many
+    times (a read-only one: each reference took a copy of its own, a 1 MiB payload asking
+    for GiBs) is refused."""
+    buffer = bytes(4 * 1024)
+    ref = msgspec.msgpack.Ext(2, msgspec.msgpack.encode(("<f4", (1024,), 0)))
+    header = msgspec.msgpack.encode({"x": [ref] * 3})
+    with pytest.raises(PayloadError, match="buffer 0 is referenced twice"):
+        codec_for(Any).decode(Encoded(header, (buffer,)))
+
+
+class _Tags(msgspec.Struct):
+    tags: frozenset[Any]
+
+
+def test_an_array_where_a_set_member_is_due_is_a_payload_error() -> None:
+    """An array in a set field cannot be a member (unhashable): a PayloadError, where
+    msgspec's TypeError used to escape the decode."""
+    ref = msgspec.msgpack.Ext(2, msgspec.msgpack.encode(("<f4", (1,), 0)))
+    header = msgspec.msgpack.encode({"tags": [ref]})
+    with pytest.raises(PayloadError, match="unhashable"):
+        codec_for(_Tags).decode(Encoded(header, (bytearray(4),)))
 
 
 def test_buffer_size_mismatch() -> None:
