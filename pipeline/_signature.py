@@ -214,6 +214,11 @@ def inspect_stage(cls: type[Stage], stage: str) -> StageSignature:
             "AsyncIterator[T], and only an async generator may be",
             path=path,
         )
+    if streaming_out and not typing.get_args(ret):
+        raise ConfigError(
+            f"{cls.__name__}.process: annotate what the stream yields, as AsyncIterator[T]",
+            path=path,
+        )
     out = typing.get_args(ret)[0] if streaming_out else ret
     per_dest = None
     if isinstance(out, type) and issubclass(out, Outputs):
@@ -604,6 +609,14 @@ def _bind_inputs(
             )
         is_struct = isinstance(inp.type, type) and issubclass(inp.type, msgspec.Struct)
         if not is_struct and inp.type is not Any:
+            origin = typing.get_origin(inp.type)
+            if isinstance(origin, type) and issubclass(origin, msgspec.Struct):
+                raise ConfigError(
+                    f"parameter {inp.name!r} of {name!r}: a generic Struct such as "
+                    f"{type_name(inp.type)} cannot be a payload type; name it as a class "
+                    f"(class My{origin.__name__}({type_name(inp.type)}): pass) and use that",
+                    path=path,
+                )
             raise ConfigError(
                 f"parameter {inp.name!r} of {name!r} must be a msgspec.Struct payload, "
                 f"not {type_name(inp.type)}",

@@ -32,6 +32,8 @@ from typing import Any
 import msgspec
 import torch
 
+from pipeline._encoded import DECODE_ERRORS
+
 __all__ = (
     "TensorEntry",
     "TensorFileError",
@@ -141,7 +143,8 @@ def read_header(path: Path) -> tuple[TensorFileHeader, str, int]:
         raise TensorFileError(f"{path}: truncated header ({len(raw)} of {n} bytes)")
     try:
         header = msgspec.json.decode(raw, type=TensorFileHeader)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    # A ValidationError is a DecodeError; invalid UTF-8 and deep nesting raise their own.
+    except DECODE_ERRORS as e:
         raise TensorFileError(f"{path}: malformed header: {e}") from e
     return header, hashlib.sha256(raw).hexdigest(), _aligned(16 + n)
 

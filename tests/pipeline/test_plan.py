@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import typing
 from collections.abc import AsyncIterator
+from typing import Generic, TypeVar
 
 import msgspec
 import pytest
@@ -49,6 +51,36 @@ class NoReturn(Stage):
 
     async def process(self, text: Text, ctx: Context):  # type: ignore[no-untyped-def]
         return text
+
+
+class BareIterator(Stage):
+    """Streams without saying what (a bare typing.AsyncIterator)."""
+
+    async def process(self, text: Text, ctx: Context) -> typing.AsyncIterator:  # type: ignore[type-arg]
+        yield text
+
+
+T = TypeVar("T")
+
+
+class Box(msgspec.Struct, Generic[T]):
+    """A generic payload."""
+
+    item: T
+
+
+class MakesBox(Stage):
+    """Produces Box[int]."""
+
+    async def process(self, text: Text, ctx: Context) -> Box[int]:
+        return Box(len(text.value))
+
+
+class TakesBox(Stage):
+    """Takes Box[int]."""
+
+    async def process(self, a: Box[int], ctx: Context) -> Text:
+        return Text(str(a.item))
 
 
 class MakesNumber(Stage):
@@ -133,6 +165,7 @@ def _build(stages: dict[str, str], edges: list[tuple[str, str]], **kw: object) -
         ("tests.pipeline.test_plan:NoCtx", "ctx: Context"),
         ("tests.pipeline.test_plan:Unannotated", "'text' has no type annotation"),
         ("tests.pipeline.test_plan:NoReturn", "no return annotation"),
+        ("tests.pipeline.test_plan:BareIterator", r"annotate what the stream yields"),
         ("tests.pipeline.test_plan:VarInputs", r"parameter '\*args' cannot take an input"),
         ("tests.pipeline.test_plan:PositionalOnly", r"'text' \(positional-only\) cannot take"),
         ("tests.pipeline.test_plan:SendsUnresolved", "annotations of UnresolvedOutputs"),
@@ -164,6 +197,16 @@ async def test_a_stage_class_nested_in_another_loads() -> None:
     attribute named "Outer.Inner", and refused) and runs in a worker."""
     async with _build({"only": "tests.pipeline.test_plan:Holder.Echo"}, []) as pipe:
         assert await pipe.submit(Text("nested")) == Text("nested")
+
+
+def test_a_generic_struct_payload_is_refused_saying_how_to_name_it() -> None:
+    """A generic Struct (Box[int]) cannot be a payload type; the error says to name it as a
+    class of its own, where it used to claim it was no Struct at all."""
+    with pytest.raises(ConfigError, match=r"a generic Struct such as Box\[int\] cannot be"):
+        _build(
+            {"a": "tests.pipeline.test_plan:MakesBox", "b": "tests.pipeline.test_plan:TakesBox"},
+            [("a", "b")],
+        )
 
 
 def test_edge_type_mismatch_names_the_edge() -> None:

@@ -118,11 +118,13 @@ def test_a_changed_header_fails_the_digest_check(weights: Path) -> None:
         (lambda d: d[:8] + (2**40).to_bytes(8, "little") + d[16:], "implausible"),
         (lambda d: d[:200], "truncated header"),
         (lambda d: d[:-1000], "is truncated"),
+        (lambda d: d.replace(b"tiny-vlm", b"\xf4iny-vlm", 1), "malformed header: 'utf-8'"),
     ],
-    ids=["magic", "short", "length", "header", "data"],
+    ids=["magic", "short", "length", "header", "data", "utf-8"],
 )
 def test_malformed_files_are_refused_with_a_reason(weights: Path, mangle, message: str) -> None:
-    """Bad magic, an absurd header length and truncation each raise TensorFileError saying so."""
+    """Bad magic, an absurd header length, truncation and a header that is not UTF-8 (which
+    escaped as a UnicodeDecodeError) each raise TensorFileError saying so."""
     weights.write_bytes(mangle(weights.read_bytes()))
     with pytest.raises(TensorFileError, match=message):
         load_decoder(weights)
