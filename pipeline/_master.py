@@ -393,6 +393,12 @@ class Master:
             if rep is None and isinstance(msg, Heartbeat):
                 # A worker of the master this one replaced (restarted at its address).
                 self._tell_unknown(identity, msg, "does not know it (it started since)")
+            elif rep is not None and isinstance(msg, Heartbeat):
+                # A worker declared dead (stopped, frozen) whose slot another took meanwhile:
+                # told, it tries to register again and hears who holds the slot, instead of
+                # beating on unheard until it gives the master up.
+                why = f"gave its slot to another worker (pid {rep.pid} on {rep.host})"
+                self._tell_unknown(identity, msg, why)
             return
         if not rep.alive and not isinstance(msg, SetupFailed):
             # Declared dead: what it still sends (a Ready, a heartbeat) must not revive it in

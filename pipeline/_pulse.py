@@ -34,6 +34,10 @@ _decode_from_master = msgspec.msgpack.Decoder(ReportAsk | Heartbeat).decode
 #: Messages read per wake-up at most; any more wait for the next (the master sends one
 #: ask per death).
 _MAX_ASKS = 64
+#: A wait that returns this many seconds later than asked means the process did not run
+#: meanwhile (stopped by SIGSTOP, its VM frozen, or starved): silence across that gap says
+#: nothing of the master, which gets a whole ``master_timeout`` from then to answer.
+PAUSED_S = 1.0
 
 
 def pulse_identity(control_identity: bytes) -> bytes:
@@ -152,8 +156,15 @@ class Pulse:
                 # Up to the next beat's due time, rounded up: a poll that returned just
                 # before it would send nothing, and wait a whole interval more.
                 wait_ms = math.ceil(min(max(due - time.monotonic(), 0.0) * 1000, report_ms))
+                waited_from = time.monotonic()
                 if poller.poll(wait_ms):
                     asked = self._read_asks(sock) or asked
+                woke = time.monotonic()
+                if woke - waited_from > wait_ms / 1000 + PAUSED_S:
+                    # Paused: beat at once, and time the master's silence from now.
+                    self.master_seen = max(self.master_seen, woke)
+                    due = 0.0
+                    continue
                 self._judge_master(reporter)
         finally:
             sock.close(linger=0)

@@ -79,7 +79,7 @@ from pipeline._messages import (
 from pipeline._messages import (
     encode_message as _encode,
 )
-from pipeline._pulse import Pulse
+from pipeline._pulse import PAUSED_S, Pulse
 from pipeline._scheduling import apply_scheduling
 from pipeline._security import (
     process_keys,
@@ -715,13 +715,22 @@ class _Worker:
         """
         assert self.actor is not None
         noted = False  # whether the current silence was logged
+        # A round that came this much later than due found the process paused (see
+        # PAUSED_S), or its loop held: the master's silence is timed from then on, which
+        # gives it time to answer the beat sent as the process resumed.
+        round_at = time.monotonic()
+        silent_since = self.last_seen
         while not self.stop.is_set():
-            self.actor.sweep(time.monotonic())
-            if time.monotonic() - self.last_seen > master_timeout:
+            now = time.monotonic()
+            if now - round_at > interval + PAUSED_S:
+                silent_since = now
+            round_at = now
+            self.actor.sweep(now)
+            if now - max(self.last_seen, silent_since) > master_timeout:
                 # The loop may just have been held by a long handler: read what the master
                 # sent meanwhile before concluding it is gone.
                 self.control_reader.drain_now()
-            silent = time.monotonic() - self.last_seen
+            silent = time.monotonic() - max(self.last_seen, silent_since)
             if silent <= master_timeout:
                 if noted:
                     log.info("master_heard_again", stage=self.stage, replica=self.replica)

@@ -316,6 +316,44 @@ async def test_a_second_worker_for_a_live_replica_is_refused_and_one_gone_quiet_
         kill_all(procs)
 
 
+async def test_a_worker_declared_dead_and_replaced_meanwhile_is_told_when_it_runs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker stopped past its heartbeat timeout (declared dead), whose slot a new worker
+    took meanwhile, is told so once it runs again: it registers again, hears which worker
+    holds its slot, and exits saying so. The master dropped its heartbeats without a word
+    (they came from an identity other than the slot's), and it exited 4 two timeouts
+    later, claiming its master lost."""
+    config = tmp_path / "echo.yaml"
+    config.write_text(
+        "name: echo\n"
+        "defaults: {heartbeat_interval: 100ms, heartbeat_timeout: 1s}\n"
+        "stages:\n"
+        '  echo: {impl: "tests.pipeline.sample_stages:Echo"}\n'
+    )
+    monkeypatch.setenv("STAGEWIRE_LOG_LEVEL", "info")  # the master logs each replica ready
+    master, procs = await _serving(config, tmp_path)
+    holder, master_log = procs[1], tmp_path / "master.err"
+    try:
+        os.kill(holder.pid, signal.SIGSTOP)
+        await wait_for(lambda: "replica_dead" in master_log.read_text(), 30)
+        third = _start("worker", "--master", master, "--stage", "echo", "--headless",
+                       "--connect-timeout", "60", err=tmp_path / "third.err")  # fmt: skip
+        procs.append(third)
+        await wait_for(functools.partial(_logged, master_log, "replica_ready", 2), 60)
+        os.kill(holder.pid, signal.SIGCONT)
+        assert await asyncio.to_thread(holder.wait, 30) == 4
+        text = (tmp_path / "echo.err").read_text()
+        assert "dropped_by_master" in text and "gave its slot to another worker" in text, text
+        assert "rejoin_refused" in text and f"by pid {third.pid}" in text, text
+        assert "master_lost" not in text, text
+        assert "unknown_worker_told" in master_log.read_text()
+        assert _submit(master, '{"value": "new"}').stdout.split() == ['{"value":"new"}']
+        assert third.poll() is None
+    finally:
+        kill_all(procs)
+
+
 @pytest.mark.parametrize("host", ["the master's", "another"])
 async def test_a_worker_restarted_at_once_after_kill_9_takes_its_slot_back(
     tmp_path: Path, host: str
@@ -710,7 +748,9 @@ async def test_ctrl_c_stops_a_worker_started_by_hand_with_one_line(
         kill_all(procs)
 
 
-@pytest.mark.parametrize("how", ["stopped past its timeout", "master restarted"])
+@pytest.mark.parametrize(
+    "how", ["stopped past its timeout", "stopped past twice its timeout", "master restarted"]
+)
 async def test_a_worker_its_master_does_not_count_registers_again_its_stage_still_set_up(
     tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -720,9 +760,11 @@ async def test_a_worker_its_master_does_not_count_registers_again_its_stage_stil
     worker exited 4 claiming its master lost (while that master answered). Then it exited
     4 at once when told, for whatever supervised it to start it anew, loading its model
     again. Now the master tells it, once, and it registers again as it is: its stage is
-    set up once, and the master serves through it."""
+    set up once, and the master serves through it. Stopped past twice the timeout (when a
+    worker gives a silent master up), it exited 4 the moment it ran again, before it could
+    hear the master: the time it was stopped counted as the master's silence."""
     # Long enough for a new master to start before the worker gives the old one up.
-    timeout = "1s" if how == "stopped past its timeout" else "10s"
+    timeout = "10s" if how == "master restarted" else "1s"
     config = tmp_path / "echo.yaml"
     config.write_text(
         "name: echo\n"
@@ -746,10 +788,14 @@ async def test_a_worker_its_master_does_not_count_registers_again_its_stage_stil
             why = "does not know it"
         else:
             # Twice: a worker that registered again is told again when dropped again.
-            for times in (1, 2):
+            for times in (1, 2) if how == "stopped past its timeout" else (1,):
                 os.kill(worker.pid, signal.SIGSTOP)
+                stopped = time.monotonic()
                 dead = functools.partial(_logged, master_log, "replica_dead", times)
                 await wait_for(dead, 30)
+                if how == "stopped past twice its timeout":
+                    # The freeze itself is what is tested: it must outlast 2 s.
+                    await wait_for(lambda at=stopped: time.monotonic() - at > 2.5, 30)
                 os.kill(worker.pid, signal.SIGCONT)
                 await wait_for(functools.partial(_logged, worker_log, "rejoined", times), 30)
             why = "declared it dead"
