@@ -432,10 +432,13 @@ class Master:
                     self.startup.ready.set()
             case SetupFailed(message=message, traceback=trace):
                 if self.startup.ready.is_set():
-                    # A restart's setup failed (start-up's fails the start, which says why).
+                    # A restart's setup failed (start-up's fails the start, which says why):
+                    # the replica is dead now, not when its registration times out, and a
+                    # request that waits for its stage in vain is told why.
                     log.error(
                         "stage_setup_failed", stage=msg.stage, replica=msg.replica, error=message
                     )
+                    self.replica_lost(msg.stage, msg.replica, f"failed its setup: {message}")
                 self.startup.error = f"stage {msg.stage!r} replica {msg.replica}: {message}"
                 self.startup.traceback = trace
                 self.startup.ready.set()
@@ -534,9 +537,13 @@ class Master:
         self.outbox.reachable((msg.data_endpoint,))
         if self.local is not None and msg.local_endpoint and msg.host == self.host:
             self.outbox.set_local(msg.data_endpoint, msg.local_endpoint)
-        self.orch.replicas[msg.stage][msg.replica] = ReplicaView(
+        view = ReplicaView(
             msg.stage, msg.replica, msg.data_endpoint, msg.host, local_pid(msg.pid, msg.pidns)
         )
+        before = self.orch.replicas[msg.stage].get(msg.replica)
+        if before is not None:
+            view.why = before.why  # why the slot last went, until this worker is ready
+        self.orch.replicas[msg.stage][msg.replica] = view
         log.info(
             "replica_registered",
             stage=msg.stage,

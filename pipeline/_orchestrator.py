@@ -89,6 +89,7 @@ class ReplicaView:
         "requests",
         "stage",
         "stalled",
+        "why",
     )
 
     def __init__(self, stage: str, replica: int, endpoint: str, host: str, pid: int = 0) -> None:
@@ -104,6 +105,8 @@ class ReplicaView:
         #: give it back): new requests go to another ready replica while one is there.
         self.stalled = False
         self.requests: set[str] = set()
+        #: Why its slot was last declared dead ("" once a worker in it is ready).
+        self.why = ""
 
 
 class InDoubt:
@@ -258,7 +261,8 @@ class Orchestrator:
                         self.counts["waited"] += 1
                 if all(r.given_up for r in self.replicas[exc.stage].values()):
                     raise StageUnavailable(
-                        exc.stage, "no replica is ready, and none is being restarted"
+                        exc.stage,
+                        "no replica is ready, and none is being restarted" + self._whys(exc.stage),
                     ) from None
                 left = deadline - loop.time()
                 if left <= 0:
@@ -273,7 +277,7 @@ class Orchestrator:
                             detail=f"stage {exc.stage!r} had no ready replica for {wait:g}s",
                         ) from None
                     waited = f"no replica is ready after waiting {wait:g}s"
-                    raise StageUnavailable(exc.stage, waited) from None
+                    raise StageUnavailable(exc.stage, waited + self._whys(exc.stage)) from None
             if self._readiness is None or self._readiness.done():
                 self._readiness = loop.create_future()
             # Shielded: one waiter's timeout must not cancel what the others wait on. Not
@@ -282,9 +286,17 @@ class Orchestrator:
                 async with asyncio.timeout(left):
                     await asyncio.shield(self._readiness)
 
+    def _whys(self, stage: str) -> str:
+        """Why the replicas of ``stage`` that are not ready went, as `` (...)`` ("" if none
+        was declared dead)."""
+        whys = [f"replica {r.replica} {r.why}" for r in self.replicas[stage].values() if r.why]
+        return f" ({'; '.join(whys)})" if whys else ""
+
     def replica_ready(self, stage: str, replica: int) -> None:
         """Mark a replica ready; requests waiting for its stage try again."""
-        self.replicas[stage][replica].ready = True
+        view = self.replicas[stage][replica]
+        view.ready = True
+        view.why = ""
         self._wake_waiters()
 
     def replica_given_up(self, stage: str, replica: int) -> None:
@@ -575,6 +587,7 @@ class Orchestrator:
         if view is None:
             return doubt
         view.ready = False
+        view.why = why
         doubt.view = view
         downstream = self._downstream[stage]
         for rid in list(view.requests):

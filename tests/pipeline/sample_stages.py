@@ -499,6 +499,23 @@ class FlakySetup(Stage):
         return text
 
 
+def _start_once(marker: Path) -> None:
+    if marker.exists():
+        raise OSError("weights file is missing")
+    marker.write_text("started")
+
+
+class BreaksWhenRestarted(Stage):
+    """Echoes. Its first start succeeds; every later one fails in setup, as a stage whose
+    model file went missing since would. The file named by BREAK_MARKER notes the first."""
+
+    async def setup(self) -> None:
+        await asyncio.to_thread(_start_once, Path(os.environ["BREAK_MARKER"]))
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        return text
+
+
 class Hog(Stage):
     """Holds the event loop with CPU work for the given seconds, like a large prefill."""
 

@@ -183,6 +183,31 @@ async def test_a_setup_that_fails_at_a_restart_is_retried(tmp_path: Path) -> Non
         assert [e["stage"] for e in failed] == ["echo"] and "error" in failed[0], logs
 
 
+@pytest.mark.parametrize("given_up", [False, True], ids=["restarting", "given up"])
+async def test_a_request_waiting_in_vain_is_told_why_the_stage_has_no_replica(
+    tmp_path: Path, given_up: bool
+) -> None:
+    """A request that finds no ready replica fails saying why the stage's replicas went:
+    here each restart's setup fails, which the master knew at once (it used to leave the
+    slot registered but not ready until its start-up timeout), while the request failed
+    with "no replica is ready after waiting", nothing more."""
+    stage = {"impl": ":BreaksWhenRestarted", "env": {"BREAK_MARKER": str(tmp_path / "m")}}
+    async with Pipeline(spec({"echo": stage}, [], replica_wait="500ms")) as pipe:
+        launcher = pipe._launcher
+        assert launcher is not None
+        launcher._max_restarts = 1 if given_up else 100
+        orch = pipe._master_or_fail().orch
+        await _crash(pipe)
+        await wait_for(lambda: "failed its setup" in orch.replicas["echo"][0].why, 30)
+        if given_up:
+            await wait_for(lambda: orch.replicas["echo"][0].given_up, 30)
+            says = r"none is being restarted \(replica 0 failed its setup: OSError: weights"
+        else:
+            says = r"after waiting 0\.5s \(replica 0 failed its setup: OSError: weights"
+        with pytest.raises(StageUnavailable, match=says):
+            await asyncio.wait_for(pipe.submit(Text("x")), 30)
+
+
 async def test_an_exit_of_a_process_that_no_longer_holds_the_slot_is_ignored() -> None:
     """The exit of a process whose slot another worker has taken since (registered in its
     place) does not declare that worker dead: only the slot's holder can die for it."""
