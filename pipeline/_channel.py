@@ -419,6 +419,11 @@ class _Window:
         #: The consumer's data endpoint.
         self.reader = ""
 
+    def ended(self) -> bool:
+        """Whether the consumer reads no more of the request (``done``, read afresh: a
+        method, so that a type checker does not carry what it knew across an await)."""
+        return self.done
+
 
 class OutputChannel:
     """The producer's end of one edge.
@@ -661,6 +666,11 @@ class OutputChannel:
             name = self._transports.fallback or ""
             if not name:
                 raise
+            if win.ended():
+                # Its consumer went (or stopped reading) while the put waited for room: a
+                # fallback put begun now would hold a payload nobody fetches.
+                self.unread += 1
+                return
             self.fallbacks += 1
             if encoded.device_buffers and name not in self._on_device:
                 encoded = to_host(encoded)

@@ -334,9 +334,10 @@ def _decode_array(ref: _Ref) -> Any:
         raise PayloadError(f"unknown array dtype {ref.dtype!r}") from e
     if dtype.hasobject:
         raise PayloadError("numpy arrays of Python objects are not accepted")
-    if not dtype.itemsize:
+    if not dtype.itemsize and dtype.kind in "SU":
         # 'S0', 'U0': numpy widens them to one byte or character an item when it allocates,
-        # so a shape checked against 0 bytes would allocate anything.
+        # so a shape checked against 0 bytes would allocate anything. (Empty void and
+        # structured dtypes allocate nothing, whatever the shape.)
         raise PayloadError(f"numpy arrays of the zero-size dtype {ref.dtype!r} are not accepted")
     view = _buffer_for(ref, dtype.itemsize)
     if not view.nbytes:

@@ -34,9 +34,10 @@ _decode_from_master = msgspec.msgpack.Decoder(ReportAsk | Heartbeat).decode
 #: Messages read per wake-up at most; any more wait for the next (the master sends one
 #: ask per death).
 _MAX_ASKS = 64
-#: A wait that returns this many seconds later than asked means the process did not run
-#: meanwhile (stopped by SIGSTOP, its VM frozen, or starved): silence across that gap says
-#: nothing of the master, which gets a whole ``master_timeout`` from then to answer.
+#: A wait that returns this many seconds later than asked, the process having spent less
+#: than half that late time on the CPU, means the process did not run meanwhile (stopped
+#: by SIGSTOP, its VM frozen, or starved): silence across that gap says nothing of the
+#: master, which gets a whole ``master_timeout`` from then to answer.
 PAUSED_S = 1.0
 
 
@@ -108,6 +109,9 @@ class Pulse:
         self._master_timeout = master_timeout
         #: When the master was last heard on this thread's socket (its beats come here too).
         self.master_seen = time.monotonic()
+        #: When this thread last found the process had not run for a while (0: never): the
+        #: master's silence across that gap does not count (see PAUSED_S).
+        self.paused_at = 0.0
 
     def start(self) -> None:
         """Start beating."""
@@ -156,13 +160,16 @@ class Pulse:
                 # Up to the next beat's due time, rounded up: a poll that returned just
                 # before it would send nothing, and wait a whole interval more.
                 wait_ms = math.ceil(min(max(due - time.monotonic(), 0.0) * 1000, report_ms))
-                waited_from = time.monotonic()
+                waited_from, cpu_from = time.monotonic(), time.process_time()
                 if poller.poll(wait_ms):
                     asked = self._read_asks(sock) or asked
                 woke = time.monotonic()
-                if woke - waited_from > wait_ms / 1000 + PAUSED_S:
-                    # Paused: beat at once, and time the master's silence from now.
-                    self.master_seen = max(self.master_seen, woke)
+                late = woke - waited_from - wait_ms / 1000
+                if late > PAUSED_S and time.process_time() - cpu_from < late / 2:
+                    # The process did not run meanwhile (a busy one, whose handler holds
+                    # the interpreter lock, burns CPU): beat at once, and time the master's
+                    # silence from now.
+                    self.paused_at = self.master_seen = max(self.master_seen, woke)
                     due = 0.0
                     continue
                 self._judge_master(reporter)

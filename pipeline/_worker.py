@@ -712,43 +712,48 @@ class _Worker:
         service's event loop, and a loop held for a while (a blocking call, a debugger's
         breakpoint) must not cost the service its workers. Such a worker waits, warning
         once per silence, and exits with the process (its parent-death signal).
+
+        Silence while the process did not run (stopped, its VM frozen) does not count: its
+        heartbeat thread tells that from a loop held by a handler (by the CPU time spent)
+        as the process resumes, beats at once, and the master's silence is timed from then.
         """
         assert self.actor is not None
         noted = False  # whether the current silence was logged
-        # A round that came this much later than due found the process paused (see
-        # PAUSED_S), or its loop held: the master's silence is timed from then on, which
-        # gives it time to answer the beat sent as the process resumed.
         round_at = time.monotonic()
-        silent_since = self.last_seen
+        deferred = False
         while not self.stop.is_set():
             now = time.monotonic()
-            if now - round_at > interval + PAUSED_S:
-                silent_since = now
-            round_at = now
+            late, round_at = now - round_at > interval + PAUSED_S, now
             self.actor.sweep(now)
-            if now - max(self.last_seen, silent_since) > master_timeout:
-                # The loop may just have been held by a long handler: read what the master
-                # sent meanwhile before concluding it is gone.
-                self.control_reader.drain_now()
-            silent = time.monotonic() - max(self.last_seen, silent_since)
-            if silent <= master_timeout:
-                if noted:
-                    log.info("master_heard_again", stage=self.stage, replica=self.replica)
-                    noted = False
-            elif self.parent and os.getppid() == self.parent:
-                if not noted:
-                    noted = True
-                    log.warning(
-                        "master_silent",
-                        stage=self.stage,
-                        replica=self.replica,
-                        silent_for=round(silent, 1),
-                        reason=f"its process (pid {self.parent}) lives, its event loop held: "
-                        "waiting for it",
-                    )
-            else:
-                log.error("master_lost", stage=self.stage, silent_for=master_timeout)
-                return EXIT_MASTER_LOST
+            # A late round may follow a pause, which the heartbeat thread notes as soon as
+            # the process runs again: it is judged at the next round, never two running.
+            deferred = late and not deferred
+            if not deferred:
+                pulse = self.pulse
+                paused_at = pulse.paused_at if pulse is not None else 0.0
+                if time.monotonic() - max(self.last_seen, paused_at) > master_timeout:
+                    # The loop may just have been held by a long handler: read what the
+                    # master sent meanwhile before concluding it is gone.
+                    self.control_reader.drain_now()
+                silent = time.monotonic() - max(self.last_seen, paused_at)
+                if silent <= master_timeout:
+                    if noted:
+                        log.info("master_heard_again", stage=self.stage, replica=self.replica)
+                        noted = False
+                elif self.parent and os.getppid() == self.parent:
+                    if not noted:
+                        noted = True
+                        log.warning(
+                            "master_silent",
+                            stage=self.stage,
+                            replica=self.replica,
+                            silent_for=round(silent, 1),
+                            reason=f"its process (pid {self.parent}) lives, its event loop "
+                            "held: waiting for it",
+                        )
+                else:
+                    log.error("master_lost", stage=self.stage, silent_for=master_timeout)
+                    return EXIT_MASTER_LOST
             try:
                 async with asyncio.timeout(interval):
                     await self.stop.wait()

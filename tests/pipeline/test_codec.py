@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import gc
 import subprocess
 import sys
@@ -554,6 +555,16 @@ def test_a_shape_of_more_dimensions_than_numpy_takes_is_refused_as_it_is_read(di
     header = msgspec.msgpack.encode({"x": msgspec.msgpack.Ext(2, ref)})
     with pytest.raises(PayloadError, match="length <= 64"):
         codec_for(Any).decode(Encoded(header, (bytearray(4),)))
+
+
+@pytest.mark.parametrize("dtype", ["V0", "[]", "[('a', '<f4', (0,))]"])
+def test_arrays_of_zero_size_items_that_allocate_nothing_round_trip(dtype: str) -> None:
+    """Empty void and structured items take no memory whatever the shape, so, unlike 'S0'
+    and 'U0', they are not refused: what encode sends decodes back."""
+    descr = np.dtype(ast.literal_eval(dtype) if dtype.startswith("[") else dtype)
+    codec = codec_for(Any)
+    got = codec.decode(codec.encode(np.zeros(3, descr)))
+    assert got.dtype == descr and got.shape == (3,)
 
 
 def test_a_buffer_referenced_twice_is_refused() -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import select
 import threading
 import time
+import types
 from collections import deque
 from collections.abc import Iterator
 
@@ -182,3 +185,40 @@ async def test_one_answer_settles_every_earlier_ask_of_that_replica(
         pulse.stop()
         await master.aclose()
         ctx.term()
+
+
+async def test_a_worker_whose_loop_is_held_again_and_again_still_finds_its_master_gone() -> None:
+    """Held by a handler for over a second at a time, again and again, a worker's loop
+    comes late to every round of its watch on the master. It took each late round for a
+    process pause and timed the master's silence afresh: a master gone for good went
+    unnoticed. A pause is what the heartbeat thread finds (the process spent no CPU
+    meanwhile); here there is none, so the master is lost within a few holds."""
+    from pipeline._worker import EXIT_MASTER_LOST, _Worker
+
+    read, write = os.pipe()
+    try:
+        worker = types.SimpleNamespace(
+            actor=types.SimpleNamespace(sweep=lambda now: None),
+            last_seen=time.monotonic(),  # heard now, then never again
+            stop=asyncio.Event(),
+            control_reader=types.SimpleNamespace(drain_now=lambda: None),
+            parent=0,  # started by hand: a silent master is lost
+            stage="s",
+            replica=0,
+            pulse=None,
+        )
+
+        async def hold_again_and_again() -> None:
+            while True:
+                await asyncio.sleep(0)
+                select.select([read], [], [], 1.3)  # holds the loop: nothing is written
+
+        holder = asyncio.ensure_future(hold_again_and_again())
+        try:
+            watch = _Worker._watch_master(worker, 0.1, 1.5)  # type: ignore[arg-type]
+            assert await asyncio.wait_for(watch, 30) == EXIT_MASTER_LOST
+        finally:
+            holder.cancel()
+    finally:
+        os.close(read)
+        os.close(write)

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 import pipeline
 from pipeline import ConfigError, ProducerLost, StageUnavailable, TransportError, TransportFull
-from pipeline._channel import InputChannel
+from pipeline._channel import InputChannel, OutputChannel, SendTarget
 from pipeline._encoded import Encoded
 from pipeline._keys import ChunkKey
 from pipeline._signature import build_plan
@@ -179,6 +179,39 @@ async def test_payloads_for_a_consumer_declared_gone_are_dropped() -> None:
         sender.note_reader(back, gone, 0)
         assert sender.statistics().held == 2
         assert sender.held_bytes == 2 * payload.nbytes
+
+
+async def test_a_chunk_whose_consumer_went_while_its_put_waited_takes_no_fallback() -> None:
+    """A chunk whose shm put waits for room when its consumer is declared gone is not sent
+    by the fallback transport either: a network put begun after the news would hold a
+    payload nobody fetches, counted against the sender's capacity until it closed."""
+    from tests.pipeline.sample_stages import Blob
+
+    live, dead = "tcp://127.0.0.1:9001", "tcp://127.0.0.1:9002"
+    s = conftest_spec(
+        {"flood": ":Flood", "drain": ":Drain"},
+        [("flood", "drain")],
+        transport={
+            "kind": "shm",
+            "options": {"capacity": "1MiB"},
+            "fallback": "network",
+            "full_timeout": "2s",
+        },
+    )
+    plan = build_plan(s).stages["flood"].outputs["drain"]
+    out = OutputChannel(plan, host="h", endpoint="tcp://127.0.0.1:9000", send=lambda ep, run: None)
+    try:
+        big = out.codec.encode(Blob(0, bytes(700 * 1024)))
+        await out.send("a", big, False, SendTarget(live, "h"))  # fills the arena, never read
+        pending = asyncio.ensure_future(out.send("b", big, False, SendTarget(dead, "h")))
+        await wait_for(lambda: "b" in out._windows and out._windows["b"].next_seq == 1)
+        assert not pending.done(), "the shm put should wait for room"
+        out.readers_gone({dead})
+        await asyncio.wait_for(pending, 10)
+        assert (out.fallbacks, out.unread) == (0, 1)
+        assert out.statistics()["transports"]["network"]["held"] == 0
+    finally:
+        await out.aclose()
 
 
 # -- a producer in another process ---------------------------------------------------------
