@@ -1259,7 +1259,9 @@ class InputChannel:
         """Close every transport end, once the releases under way have finished (those of
         requests just ended: a closed end would ignore them, and the producer hold their
         payloads); idempotent."""
-        pending = [task for task in _background if not task.done()]
+        loop = asyncio.get_running_loop()
+        # Those of this loop only (another pipeline may run on another thread's loop).
+        pending = [t for t in list(_background) if not t.done() and t.get_loop() is loop]
         if pending:
             await asyncio.wait(pending, timeout=RELEASES_WAIT_S)
         for recv in self._receivers.values():
