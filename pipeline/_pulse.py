@@ -34,6 +34,8 @@ _decode_from_master = msgspec.msgpack.Decoder(ReportAsk | Heartbeat).decode
 #: Messages read per wake-up at most; any more wait for the next (the master sends one
 #: ask per death).
 _MAX_ASKS = 64
+#: Reports a worker keeps while its beats cannot leave, at most, of each kind.
+_UNSENT_KEPT = 4096
 #: A wait that returns this many seconds later than asked, the process having spent less
 #: than half that late time on the CPU, means the process did not run meanwhile (stopped
 #: by SIGSTOP, its VM frozen, or starved): silence across that gap says nothing of the
@@ -132,11 +134,17 @@ class Pulse:
         report_ms = self._report_every * 1000
         due = 0.0  # when the next beat is due even with nothing to report
         asked = 0  # the latest ask not yet answered
+        # Reports taken whose beat could not leave (the master unreachable, a few beats
+        # queued already): they go with the next beat that does.
+        ended: list[str] = []
+        drained: list[tuple[str, str]] = []
         try:
             while not self._stopped.is_set():
                 # Reading an int another thread updates is safe under the GIL; a stale value
                 # only delays the master's view of the load by one beat.
-                ended, drained = reporter.take_reports()
+                more_ended, more_drained = reporter.take_reports()
+                ended += more_ended
+                drained += more_drained
                 left = reporter.reports_left()
                 now = time.monotonic()
                 answer = asked if not left else 0
@@ -150,11 +158,18 @@ class Pulse:
                         answer,
                         reporter.stalled(),
                     )
-                    with contextlib.suppress(zmq.Again):
+                    try:
                         sock.send(_encode(beat), zmq.NOBLOCK)
+                    except zmq.Again:
+                        # Kept for the next beat, the oldest dropped past the bound: a lost
+                        # report fails no request that needs it, only one that could go on.
+                        del ended[:-_UNSENT_KEPT], drained[:-_UNSENT_KEPT]
+                        left = 0  # taking the rest would only pile them up: wait a beat
+                    else:
+                        ended, drained = [], []
+                        if answer:
+                            asked = 0
                     due = now + self._interval
-                    if answer:
-                        asked = 0
                 if left:
                     continue  # more to tell at once
                 # Up to the next beat's due time, rounded up: a poll that returned just

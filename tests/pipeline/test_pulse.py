@@ -23,6 +23,7 @@ from pipeline._orchestrator import InDoubt
 from pipeline._pulse import Pulse
 from pipeline._signature import build_plan
 from tests.pipeline.conftest import spec, wait_for
+from tests.procs import free_port
 
 _beat = msgspec.msgpack.Decoder(Heartbeat).decode
 
@@ -222,3 +223,32 @@ async def test_a_worker_whose_loop_is_held_again_and_again_still_finds_its_maste
     finally:
         os.close(read)
         os.close(write)
+
+
+async def test_reports_whose_beats_could_not_leave_go_with_the_next_beat_that_does() -> None:
+    """While the master is unreachable, a few beats queue and the next ones cannot leave.
+    The reports they carried were lost, and a request a consumer had had every payload of
+    could fail when its producer died; they now go with the first beat that leaves."""
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    reports = Reports(per_beat=1)
+    reports.queue.extend(f"r{i}" for i in range(12))
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pulse = Pulse(ctx, endpoint, b"w", "c", 0, 0.05, reports, 0.05)
+    pulse.start()
+    master = ctx.socket(zmq.ROUTER)
+    master.setsockopt(zmq.LINGER, 0)
+    try:
+        # Nothing listens: four beats queue (its high-water mark), the rest cannot leave.
+        await wait_for(lambda: not reports.queue, 10)
+        master.bind(endpoint)
+        told: list[str] = []
+        for beat in _beats(master, time.monotonic() + 10):
+            told += beat.ended
+            if len(told) >= 12:
+                break
+        assert sorted(told, key=lambda r: int(r[1:])) == [f"r{i}" for i in range(12)]
+    finally:
+        pulse.stop()
+        master.close(0)
+        ctx.term()
