@@ -392,13 +392,13 @@ class Pipeline(LoopBound):
             PipelineError: a stage failed to import or set up, or the master cannot bind.
             RuntimeError: the pipeline is already running, or still closing.
         """
+        if self._still_closing:
+            raise RuntimeError("the pipeline is still closing: await 'pipe.aclose()' first")
         if self._master is not None or self._launcher is not None:
             raise RuntimeError(
                 "the pipeline is already running: enter 'async with pipe' once, or close it "
                 "before starting it again"
             )
-        if self._still_closing:
-            raise RuntimeError("the pipeline is still closing: await 'pipe.aclose()' first")
         if not structlog.is_configured():
             configure_logging()
         self._bind()
@@ -548,6 +548,7 @@ class Pipeline(LoopBound):
         self._stop_watch()
         master, self._master = self._master, None
         launcher = self._launcher
+        cancelled = False
         try:
             if master is not None:
                 try:
@@ -557,11 +558,17 @@ class Pipeline(LoopBound):
                     master.close_now()
                 except BaseException:
                     master.close_now()  # cancelled (the loop is ending): close what is left
+                    cancelled = True
                     raise
         finally:
             if launcher is not None:
                 try:
-                    await launcher.aclose(grace=5.0 if self._ready else 0.0)
+                    if cancelled:
+                        # Its one cancellation went to the master's close: waiting out the
+                        # workers' grace now would outlast the loop's end.
+                        launcher.kill_now()
+                    else:
+                        await launcher.aclose(grace=5.0 if self._ready else 0.0)
                 except BaseException:
                     launcher.kill_now()  # cancelled (the loop is ending): do not wait
                     raise

@@ -850,6 +850,10 @@ class Master:
         if self.local is not None:
             with contextlib.suppress(Exception):  # its loop is closed: only sockets to close
                 self.local.close()
+        with contextlib.suppress(Exception):
+            # Its links to the workers' same-host listeners too: nothing else would close
+            # them (the workers' ends go with the workers, and no loop turn reads that).
+            self.outbox.close()
         stop_guard(self.zctx)
         self.zctx.destroy(linger=0)
         self._unlink_ipc()

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transports._registry import BUILTIN
+from transports.inline import MAX_INLINE
 
 __all__ = ("AutoPolicy",)
 
@@ -41,7 +42,8 @@ class AutoPolicy:
 
     def choose(self, nbytes: int, *, has_cuda: bool = False) -> tuple[str, bool]:
         """Return ``(transport name, fell_back)`` for a payload of ``nbytes`` bytes."""
-        if nbytes <= self.inline_threshold:
+        # No envelope carries more than MAX_INLINE, whatever the threshold says.
+        if nbytes <= min(self.inline_threshold, MAX_INLINE):
             return "inline", False
         preferred: list[str] = []
         if self.same_host:

@@ -133,6 +133,49 @@ def test_a_close_cancelled_as_its_loop_ends_kills_the_workers(pidfds: bool) -> N
     assert pids and wait_exited(pids, 5)
 
 
+def test_a_close_cancelled_while_the_master_closes_kills_the_workers_at_once() -> None:
+    """``asyncio.run`` ends while the close is still closing the master (before the
+    launcher's turn), a worker busy: the workers are killed at once. The cancellation went
+    to the master's close, and the launcher's close then waited out the whole grace (5 s,
+    then SIGTERM) as if nothing had been cancelled."""
+    pipe = Pipeline(spec({"hog": ":Hog"}, []))
+    pids: list[int] = []
+    inside: list[bool] = []
+    ended: list[float] = []
+
+    async def main() -> None:
+        await pipe.start()
+        pids.extend(pipe.worker_pids.values())
+        busy = asyncio.ensure_future(pipe.submit(Text("30")))
+        await wait_for(lambda: pipe._master_or_fail().orch.statistics()["active"] == 1, 10)
+        closing = asyncio.ensure_future(pipe.aclose())  # asyncio.run cancels it as it ends
+        for _ in range(3):
+            await asyncio.sleep(0)  # the close task takes the master and begins its close
+        assert not closing.done()
+        launcher = pipe._launcher
+        inside.append(pipe._master is None and launcher is not None and not launcher.closing())
+        busy.cancel()
+        ended.append(time.monotonic())
+
+    asyncio.run(main())  # cancels the close still running
+    took = time.monotonic() - ended[0]
+    assert inside == [True], "the close was not inside the master's close when cancelled"
+    assert pids and wait_exited(pids, 5)
+    assert took < 3.0, f"the cancelled close went on for {took:.1f}s"
+
+
+async def test_starting_a_pipeline_that_is_closing_says_so() -> None:
+    """``start()`` while the close is under way says the pipeline is still closing (it said
+    it was already running, as the launcher was still there)."""
+    pipe = Pipeline(spec({"echo": ":Echo"}, []))
+    await pipe.start()
+    closing = asyncio.ensure_future(pipe.aclose())
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="still closing"):
+        await pipe.start()
+    await asyncio.wait_for(closing, 30)
+
+
 async def test_a_pipeline_is_used_from_the_loop_that_started_it_only() -> None:
     """Another loop's submit is refused with a clear error (it used to work, binding the
     pipeline's sockets to that loop, so that closing it on its own loop then failed and

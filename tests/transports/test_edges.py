@@ -426,3 +426,17 @@ async def test_a_stream_read_in_place_past_half_the_arena_fails_saying_what_pins
                 await p.submit(Text("3"))
             message = str(info.value)
             assert "copy: true" in message and "two chunks" in message, (tells, message)
+
+
+async def test_auto_sends_nothing_inline_past_what_an_envelope_carries() -> None:
+    """An ``inline_threshold`` above what an inline envelope carries (the config takes any
+    size) does not send larger payloads inline: they go by shm on one host, network across
+    two. auto chose inline for them, and the chunk failed with TransportFull (its fallback
+    on auto is inline again), counted as a fallback that carried nothing."""
+    from transports.auto import AutoPolicy
+    from transports.inline import MAX_INLINE
+
+    for same_host, beyond in [(True, "shm"), (False, "network")]:
+        policy = AutoPolicy(2 * MAX_INLINE, same_host=same_host)
+        assert policy.choose(MAX_INLINE) == ("inline", False)
+        assert policy.choose(MAX_INLINE + 1) == (beyond, False)
