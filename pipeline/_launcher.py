@@ -1,8 +1,9 @@
 """Starting local worker processes, watching them, and making sure none outlives us.
 
 Workers are fresh interpreters (the spawn start method) running the same entry point as
-``stagewire worker``. Each is told its parent's pid and asks the kernel to SIGTERM it if the
-parent dies, so even a ``kill -9`` of the master leaves no worker behind. Shutdown asks
+``stagewire worker``. Each gets the read end of a pipe whose write end only this process
+holds, and SIGTERMs itself at its end of file, so even a ``kill -9`` of the master leaves no
+worker behind. Shutdown asks
 politely first (the master's ``Shutdown``), then SIGTERM, then SIGKILL, and only ever
 signals pids this launcher started.
 """
@@ -73,6 +74,8 @@ class LocalLauncher:
         self._closing = False
         #: Set as ``aclose`` begins: a restart's backoff ends at once.
         self._closed = asyncio.Event()
+        #: The pipe each worker watches for this process's end (see _lifeline).
+        self._life: tuple[int, int] | None = None
         self._max_restarts = max_restarts
         self._stable_s = stable_s
         #: Restarts since each slot's worker last served for ``stable_s`` (the budget used).
@@ -102,6 +105,23 @@ class LocalLauncher:
         else:
             env.pop(KEYS_ENV, None)
         return env
+
+    def _lifeline(self) -> int:
+        """The read end of a pipe whose write end only this process holds: each worker
+        gets it and watches it, and its end of file says this process is gone, however it
+        ended. (The kernel's parent-death signal, which it stands in for, comes when the
+        *thread* that started the worker ends: a pipeline started from a worker thread of
+        a service lost its workers when that thread did.)"""
+        if self._life is None:
+            self._life = os.pipe()  # neither end inherited but where passed
+        return self._life[0]
+
+    def _close_lifeline(self) -> None:
+        life, self._life = self._life, None
+        if life is not None:
+            for fd in life:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     async def start_all(self) -> None:
         """Start every replica of every stage.
@@ -141,7 +161,10 @@ class LocalLauncher:
             str(replica),
             "--parent-pid",
             str(os.getpid()),
+            "--parent-fd",
+            str(self._lifeline()),
             stdin=asyncio.subprocess.DEVNULL,
+            pass_fds=(self._lifeline(),),
             env=self._env(stage),
             # Its own session: a Ctrl-C at the terminal reaches only the master, which stops
             # the workers in order (one still importing would print a traceback for it).
@@ -258,6 +281,7 @@ class LocalLauncher:
                 break
             grace = 0.0
         remove_leftovers_of(self.started)
+        self._close_lifeline()
 
     def _forget_pidfd(self, pid: int) -> None:
         fd = self._pidfds.pop(pid, None)
@@ -315,6 +339,7 @@ class LocalLauncher:
             if fd not in waiting or loop_closed:
                 self._forget_pidfd(pid)
         remove_leftovers_of(pid for pid in self.started if not pid_alive(pid))
+        self._close_lifeline()  # and any worker this missed hears this process is gone
 
     async def _stop_running(self, grace: float) -> None:
         """Wait ``grace`` seconds for the running workers to exit, then terminate, then kill."""

@@ -26,6 +26,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -140,16 +141,32 @@ log = structlog.get_logger("stagewire.worker")
 _decode_control = msgspec.msgpack.Decoder(ControlToWorker).decode
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+def _die_with_parent(parent_pid: int, lifeline: int | None = None) -> None:
+    """SIGTERM this process when its parent process ends.
+
+    With ``lifeline`` (the read end of a pipe whose write end only the parent holds), a
+    thread waits for its end of file, which comes however the parent ended. Without it,
+    the kernel's parent-death signal stands in (Linux only); that comes when the parent's
+    *thread* that started this process ends, which need not be the process.
+    """
+    if lifeline is not None:
+
+        def watch() -> None:
+            with contextlib.suppress(OSError):
+                while os.read(lifeline, 1):
+                    pass  # nothing is written to it: only its end of file counts
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="stagewire-lifeline", daemon=True).start()
+    else:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass
     if os.getppid() != parent_pid:
-        # The parent died before prctl took effect.
+        # The parent died before the watch began.
         raise SystemExit(EXIT_MASTER_LOST)
 
 
@@ -495,7 +512,7 @@ class _Worker:
             spec.defaults.heartbeat_interval,
             _Reports(self),
             spec.defaults.report_interval,
-            # A launched worker ends with its master's process (its parent-death signal),
+            # A launched worker ends with its master's process (its lifeline's end of file),
             # and waits while that lives; one started by hand judges it here too.
             master_timeout=2 * spec.defaults.heartbeat_timeout,
             on_master_lost=None if self.launched else self._master_lost_while_held,
@@ -711,7 +728,7 @@ class _Worker:
         the launcher's process lives: a master embedded in a service beats from the
         service's event loop, and a loop held for a while (a blocking call, a debugger's
         breakpoint) must not cost the service its workers. Such a worker waits, warning
-        once per silence, and exits with the process (its parent-death signal).
+        once per silence, and exits with the process (its lifeline: see _die_with_parent).
 
         Silence while the process did not run (stopped, its VM frozen) does not count: its
         heartbeat thread tells that from a loop held by a handler (by the CPU time spent)
@@ -836,6 +853,7 @@ def parser() -> argparse.ArgumentParser:
         "--connect-timeout", type=float, default=300.0, help="seconds to reach the master"
     )
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--parent-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--headless",
         action="store_true",
@@ -918,7 +936,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid is not None:
         # A locally launched worker: the master handles Ctrl-C and shuts us down in order.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _die_with_parent(args.parent_pid)
+        _die_with_parent(args.parent_pid, args.parent_fd)
     else:
         # Started by hand, perhaps on a host of its own, where no launcher sweeps: the shm
         # segments of this host's dead stagewire processes (a worker killed -9 before this

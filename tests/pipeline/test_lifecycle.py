@@ -176,6 +176,27 @@ async def test_starting_a_pipeline_that_is_closing_says_so() -> None:
     await asyncio.wait_for(closing, 30)
 
 
+def test_workers_outlive_the_thread_that_started_them() -> None:
+    """A pipeline started from a thread that then ends (a thread pool's, a per-request
+    thread's in a synchronous service) keeps its workers: they watch for the end of the
+    starting process, not of its thread. They used to get the kernel's parent-death
+    signal as that thread ended, and, exiting 0 as if told to, were never restarted."""
+    loop = asyncio.new_event_loop()
+    pipe = Pipeline(spec({"echo": ":Echo"}, [], heartbeat_timeout="10s"))
+    try:
+        starter = threading.Thread(target=loop.run_until_complete, args=(pipe.start(),))
+        starter.start()
+        starter.join()
+        pids = list(pipe.worker_pids.values())
+        assert pids and not wait_exited(pids, 2), "a worker ended with the starting thread"
+        served = loop.run_until_complete(asyncio.wait_for(pipe.submit(Text("still")), 30))
+        assert served == Text("still")
+    finally:
+        loop.run_until_complete(pipe.aclose())
+        loop.close()
+    assert wait_exited(pids, 10)
+
+
 async def test_a_pipeline_is_used_from_the_loop_that_started_it_only() -> None:
     """Another loop's submit is refused with a clear error (it used to work, binding the
     pipeline's sockets to that loop, so that closing it on its own loop then failed and
