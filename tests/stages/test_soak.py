@@ -194,6 +194,19 @@ async def test_mixed_load_leaves_nothing_behind(
     await _mixed_load(_Run(model), cache_dir, tight=tight)
 
 
+async def _state(pipe: Pipeline) -> str:
+    """What each replica and the client hold now, in one line (for a failure's report)."""
+    stats = await pipe.statistics()
+    keys = ("active", "cancelling", "open_windows", "peak_buffered", "held")
+    parts = [
+        f"{r['stage']}[{r['replica']}] " + " ".join(f"{k}={r.get(k)}" for k in keys)
+        for r in stats["replicas"]
+    ]
+    client = stats["client"]
+    parts.append(f"client active={client['active']} peak_active={client['peak_active']}")
+    return "; ".join(parts)
+
+
 async def _mixed_load(run: _Run, cache_dir: Path, *, tight: bool) -> None:
     rng, inputs, expected, errors = run.rng, run.inputs, run.expected, run.errors
     counts = {"whole": 0, "left": 0, "cancelled": 0, "bad": 0}
@@ -241,7 +254,16 @@ async def _mixed_load(run: _Run, cache_dir: Path, *, tight: bool) -> None:
                 if not warm_rss and time.monotonic() >= warm_at:
                     warm_rss.update({k: _rss(pid) for k, pid in pids.items()})
                 kind = rng.choices(list(counts), weights=[16, 2, 2, 1])[0]
-                await asyncio.wait_for(one(kind, rng.randrange(len(inputs))), 60)
+                i = rng.randrange(len(inputs))
+                try:
+                    await asyncio.wait_for(one(kind, i), 60)
+                except TimeoutError:
+                    # What every stage held then, for the report: a request that gets nothing
+                    # for a minute is a hang somewhere.
+                    errors.append(
+                        f"a {kind!r} request of input {i} took over 60 s; {await _state(pipe)}"
+                    )
+                    return
                 counts[kind] += 1
 
         await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
