@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -53,6 +54,10 @@ __all__ = (
 )
 
 
+#: Dumps a free value (a stage param) as the spec's own dump does.
+_ANY: TypeAdapter[Any] = TypeAdapter(Any, config=ConfigDict(ser_json_inf_nan="constants"))
+
+
 class _Spec(BaseModel):
     """The shared configuration of every spec model."""
 
@@ -62,6 +67,9 @@ class _Spec(BaseModel):
         validate_by_name=True,
         validate_by_alias=True,
         serialize_by_alias=True,
+        # The spec travels to the workers as ``to_dict()``: a param of .inf or .nan must
+        # arrive as itself, not as null.
+        ser_json_inf_nan="constants",
     )
 
 
@@ -466,6 +474,45 @@ class PipelineSpec(_Spec):
         which is how the spec travels to worker processes.
         """
         return self.model_dump(mode="json", by_alias=True)
+
+    def check_sendable(self) -> None:
+        """Check that the spec can travel to worker processes (``to_dict``, then msgpack).
+
+        Raises:
+            ConfigError: a value cannot (an integer past 64 bits, bytes that are not UTF-8
+                text), naming where; the master could not have told a worker its stage.
+        """
+        import msgspec
+
+        try:
+            msgspec.msgpack.encode(self.to_dict())
+            return
+        except Exception as exc:  # OverflowError, UnicodeDecodeError, TypeError, ...
+            first = exc
+        # The values written as they are: stage params and transport options.
+        free: list[tuple[str, dict[str, Any]]] = [
+            (f"stages.{name}.params", stage.params) for name, stage in self.stages.items()
+        ]
+        free.append(("defaults.transport.options", self.defaults.transport.options))
+        free += [
+            (f"edges.{i}.transport.options", e.transport.options)
+            for i, e in enumerate(self.edges)
+            if e.transport is not None
+        ]
+        for where, values in free:
+            for key, value in values.items():
+                try:
+                    msgspec.msgpack.encode(_ANY.dump_python(value, mode="json"))
+                except Exception as exc:
+                    raise ConfigError(
+                        f"cannot be sent to the worker processes ({type(exc).__name__}: "
+                        f"{exc}); use a string, a number within 64 bits, or lists and "
+                        "mappings of those",
+                        path=f"{where}.{key}",
+                    ) from exc
+        raise ConfigError(
+            f"the pipeline cannot be sent to the worker processes: {first}"
+        ) from first
 
     @classmethod
     def _validate(cls, doc: YamlDocument) -> PipelineSpec:

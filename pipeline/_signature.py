@@ -495,6 +495,7 @@ def build_plan(
 
 
 def _build(spec: PipelineSpec) -> PipelinePlan:
+    spec.check_sendable()
     sigs: dict[str, StageSignature] = {}
     stages: dict[str, StagePlan] = {}
     for name, sspec in spec.stages.items():

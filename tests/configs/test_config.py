@@ -781,3 +781,32 @@ def test_a_spec_built_in_python_with_a_key_that_is_no_string_names_it() -> None:
     for key, shown in ((True, "True is bool"), (None, "None is NoneType")):
         with pytest.raises(ConfigError, match=rf"stages\.{shown.split()[0]}: key {shown}, not"):
             PipelineSpec.from_dict({"stages": {key: {"impl": "m:A"}}})
+
+
+def test_an_infinite_or_nan_param_reaches_the_workers_as_itself() -> None:
+    """The spec travels to the workers as ``to_dict()``, which turned .inf and .nan into
+    null: a stage whose params took a float then failed to start, blaming a None nobody
+    wrote."""
+    spec = PipelineSpec.from_yaml_text(
+        "stages:\n  a: {impl: 'stages.text:Split', params: {limit: .inf, gap: .nan}}\n"
+    )
+    params = PipelineSpec.from_dict(spec.to_dict()).stages["a"].params
+    assert params["limit"] == math.inf and math.isnan(params["gap"])
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [("123456789012345678901234567890", "OverflowError"), ('!!binary "/w=="', "UnicodeDecode")],
+    ids=["int past 64 bits", "bytes not UTF-8"],
+)
+def test_a_param_that_cannot_travel_to_the_workers_is_refused_at_its_line(
+    tmp_path: Path, value: str, says: str
+) -> None:
+    """A param no message to a worker can carry is a ConfigError naming it and its line,
+    before anything starts. The master failed to encode each worker's assignment and
+    never answered: the run hung until ``startup_timeout``, blaming the stage."""
+    config = tmp_path / "p.yaml"
+    config.write_text(f"stages:\n  a: {{impl: 'stages.text:Split', params: {{n: {value}}}}}\n")
+    with pytest.raises(ConfigError, match=says) as refused:
+        Pipeline.from_yaml(config)
+    assert refused.value.path == "stages.a.params.n" and refused.value.line == 2
