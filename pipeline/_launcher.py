@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import select
 import signal
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import structlog
 
 from pipeline._config import PipelineSpec
+from pipeline._errors import PipelineError
 from pipeline._leftovers import remove_leftovers_of
 from pipeline._security import KEYS_ENV, CurveKeys
 from transports._liveness import pid_alive
@@ -142,13 +144,13 @@ class LocalLauncher:
                     return  # closed while starting: the rest would only be stopped again
                 await self.start(stage, k)
 
-    async def start(self, stage: str, replica: int) -> int:
-        """Start one replica's process; returns its pid.
+    async def _spawn(self, stage: str, replica: int) -> asyncio.subprocess.Process:
+        """The process of one replica, started.
 
         Raises:
-            OSError: the process could not be started.
+            OSError: it could not be started.
         """
-        proc = await asyncio.create_subprocess_exec(
+        return await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "pipeline",
@@ -170,6 +172,22 @@ class LocalLauncher:
             # the workers in order (one still importing would print a traceback for it).
             start_new_session=True,
         )
+
+    async def start(self, stage: str, replica: int) -> int:
+        """Start one replica's process; returns its pid.
+
+        Raises:
+            PipelineError: the process could not be started (out of processes or memory,
+                an environment too large), saying which and why.
+        """
+        try:
+            proc = await self._spawn(stage, replica)
+        except OSError as exc:
+            too_large = " (its environment is too large)" if exc.errno == errno.E2BIG else ""
+            raise PipelineError(
+                f"cannot start a worker for stage {stage!r} replica {replica}: "
+                f"{exc.strerror or exc}{too_large}"
+            ) from exc
         self.procs[(stage, replica)] = proc
         self.started.add(proc.pid)
         with contextlib.suppress(OSError, AttributeError):  # gone already, or no pidfds

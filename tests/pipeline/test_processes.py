@@ -1086,6 +1086,19 @@ async def test_a_restart_that_cannot_be_spawned_is_tried_again_then_given_up(
                 await pipe.submit(Text("two"))
 
 
+async def test_a_worker_that_cannot_be_started_fails_the_start_in_one_line() -> None:
+    """A worker whose spawn fails (here its environment is past what exec takes; out of
+    processes or memory likewise) fails the start with a PipelineError naming the stage,
+    the workers already started stopped. The OSError escaped as is: ``stagewire run``
+    printed a traceback and exited 1."""
+    s = spec({"a": ":Echo", "b": {"impl": ":Echo", "env": {"BIG": _TOO_LONG}}}, [("a", "b")])
+    pipe = Pipeline(s)
+    with pytest.raises(PipelineError, match=r"cannot start a worker for stage 'b' replica 0"):
+        await pipe.start()
+    await pipe.aclose()
+    assert not children(os.getpid())
+
+
 async def test_a_close_ends_a_restarts_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     """A close while a crashed worker's restart waits out its backoff ends the wait at once
     and restarts nothing. It used to sleep the backoff through (up to 5 s) before the
