@@ -471,6 +471,11 @@ class _Stdout:
             self._console.print(f"[yellow]cannot write the outputs:[/yellow] {escape(str(exc))}")
 
 
+def _by_sink(sink: str, value: Any) -> Any:
+    """A chunk as printed: the value, or ``{sink: value}`` from a pipeline of several sinks."""
+    return {sink: value} if sink else value
+
+
 async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console) -> None:
     """Stream one request to the terminal as its chunks arrive.
 
@@ -484,16 +489,20 @@ async def _show_stream(pipe: Pipeline, value: Any, field: str, console: Console)
     fields: set[str] = set()
     try:
         async for chunk in pipe.stream(value):
+            # With several sinks each chunk says which sent it: its own fields are the value's.
+            sink, body = (
+                (chunk.stage, chunk.value) if isinstance(chunk, SinkOutput) else ("", chunk)
+            )
             if field:
-                piece = getattr(chunk, field, None)
+                piece = getattr(body, field, None)
                 if isinstance(piece, str):
                     found = True
                     if piece:
-                        out.write(piece)
+                        out.write(f"[{sink}] {piece}\n" if sink else piece)
                 else:
-                    fields.update(getattr(chunk, "__struct_fields__", ()))
+                    fields.update(getattr(body, "__struct_fields__", ()))
             else:
-                out.write(to_json(chunk).decode() + "\n")
+                out.write(to_json(_by_sink(sink, body)).decode() + "\n")
     except PipelineError as exc:
         console.print(f"[red]streamed request failed:[/red] {escape(str(exc))}")
     if field:
@@ -617,7 +626,10 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
                 async with pipe.stream(value) as stream:
                     started = True
                     async for chunk in stream:
-                        out = chunk.value if isinstance(chunk, SinkOutput) else chunk
+                        if isinstance(chunk, SinkOutput):  # several sinks: say which spoke
+                            out = _by_sink(chunk.stage, chunk.value)
+                        else:
+                            out = chunk
                         sys.stdout.write(to_json(out).decode() + "\n")
                         sys.stdout.flush()
         return 0

@@ -469,6 +469,29 @@ def test_show_stream_names_the_fields_when_none_is_the_one_asked(tmp_path: Path)
     assert "theirs: index, value" in res.stderr
 
 
+def test_show_stream_of_several_sinks_names_each_chunks_sink(tmp_path: Path) -> None:
+    """With several sinks, --show-stream prints each chunk as ``{sink: value}`` (or the
+    field's text after the sink's name): it printed Python reprs of SinkOutput, and for a
+    field nothing at all, without a word."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(
+        "stages:\n"
+        "  a: {impl: 'tests.pipeline.sample_stages:Echo'}\n"
+        "  b: {impl: 'tests.pipeline.sample_stages:Echo'}\n"
+        "  c: {impl: 'tests.pipeline.sample_stages:Echo'}\n"
+        "edges: [{from: a, to: b}, {from: a, to: c}]\n"
+    )
+    chunks = _run("run", str(cfg), "--input", '{"value": "x y"}', "--show-stream")
+    assert chunks.returncode == 0, chunks.stderr
+    assert sorted(chunks.stdout.splitlines()[:2]) == [
+        '{"b":{"value":"x y"}}',
+        '{"c":{"value":"x y"}}',
+    ]
+    field = _run("run", str(cfg), "--input", '{"value": "x y"}', "--show-stream", "value")
+    assert field.returncode == 0, field.stderr
+    assert sorted(field.stdout.splitlines()[:2]) == ["[b] x y", "[c] x y"]
+
+
 def test_run_writes_progress_lines_where_no_bar_shows(tmp_path: Path) -> None:
     """With stderr a file (a log, CI), no bar is drawn (nor a blank line where a transient
     one was): progress lines are written instead, every --progress-every seconds; and a

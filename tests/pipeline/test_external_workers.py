@@ -643,6 +643,30 @@ async def test_submit_to_a_master_streams_each_output_and_the_master_stops_its_w
         kill_all(procs)
 
 
+async def test_submit_to_a_pipeline_of_several_sinks_names_each_outputs_sink(
+    tmp_path: Path,
+) -> None:
+    """``stagewire submit`` prints each output of a pipeline with several sinks as
+    ``{sink: value}``: it printed the bare values, which could not be told apart."""
+    config = tmp_path / "two.yaml"
+    config.write_text(
+        "name: two\n"
+        "stages:\n"
+        '  a: {impl: "tests.pipeline.sample_stages:Echo"}\n'
+        '  b: {impl: "tests.pipeline.sample_stages:Echo"}\n'
+        '  c: {impl: "tests.pipeline.sample_stages:Echo"}\n'
+        "edges: [{from: a, to: b}, {from: a, to: c}]\n"
+    )
+    master, procs = await _serving(config, tmp_path)
+    try:
+        done = _submit(master, '{"value": "x y"}')
+        assert done.returncode == 0, done.stderr
+        lines = sorted(done.stdout.splitlines())
+        assert lines == ['{"b":{"value":"x y"}}', '{"c":{"value":"x y"}}'], done.stdout
+    finally:
+        kill_all(procs)
+
+
 async def test_submit_without_a_master_exits_3_and_a_run_refuses_submissions_with_3(
     tmp_path: Path,
 ) -> None:
