@@ -114,7 +114,8 @@ class LoopWatch:
         on_closed: Callable[[LoopWatch], None],
     ) -> None:
         self._loop = loop
-        self._interval = interval
+        # A thread's wait takes at most TIMEOUT_MAX (a heartbeat interval may be set longer).
+        self._interval = min(interval, threading.TIMEOUT_MAX)
         self._on_closed = on_closed
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stagewire-loop-watch", daemon=True)

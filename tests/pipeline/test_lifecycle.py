@@ -389,3 +389,22 @@ def test_a_pipeline_dropped_unclosed_does_not_freeze_a_garbage_collection() -> N
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "collected", done.stderr
     # The workers go with their parent.
     assert wait_exited(map(int, done.stdout.split()[:-1]), 30)
+
+
+async def test_a_heartbeat_interval_past_what_a_thread_waits_is_no_crash() -> None:
+    """The thread that watches for the loop's close waits a heartbeat interval at a time:
+    one past ``threading.TIMEOUT_MAX`` (the config takes any) killed it with an
+    OverflowError, and nothing watched the loop any more."""
+    from pipeline._lifecycle import LoopWatch
+
+    crashed: list[threading.ExceptHookArgs] = []
+    before = threading.excepthook
+    threading.excepthook = crashed.append
+    try:
+        watch = LoopWatch(asyncio.get_running_loop(), 1e12, lambda _: None)
+        await asyncio.sleep(0)
+        assert watch._thread.is_alive()
+        watch.stop()
+    finally:
+        threading.excepthook = before
+    assert not crashed
