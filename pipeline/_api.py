@@ -549,6 +549,9 @@ class Pipeline(LoopBound):
         master, self._master = self._master, None
         launcher = self._launcher
         cancelled = False
+        if launcher is not None:
+            # Before the master tells the workers to stop: their exits are no crashes.
+            launcher.begin_close()
         try:
             if master is not None:
                 try:

@@ -24,6 +24,7 @@ import structlog
 
 from pipeline._config import PipelineSpec
 from pipeline._errors import PipelineError
+from pipeline._exit_codes import EXIT_REPLACED
 from pipeline._leftovers import remove_leftovers_of
 from pipeline._security import KEYS_ENV, CurveKeys
 from transports._liveness import pid_alive
@@ -225,13 +226,16 @@ class LocalLauncher:
             self.restarts[key] = 0
         # A worker that crashed, was killed, or failed its setup once the pipeline was up
         # (a transient error, as memory its predecessor still held) is restarted, with
-        # backoff, a bounded number of times in a row, and takes its slot back. One that
-        # exited cleanly was told to; one that failed at start-up fails the start. A
-        # restart that cannot even be spawned (out of processes, memory or descriptors)
-        # uses an attempt of the same budget.
+        # backoff, a bounded number of times in a row, and takes its slot back. So is one
+        # that ended with 0 (its code, or a library in it, called exit): outside a close
+        # no worker is told to. One the master replaced has a successor in its slot; one
+        # that failed at start-up fails the start. A restart that cannot even be spawned
+        # (out of processes, memory or descriptors) uses an attempt of the same budget.
+        if code == EXIT_REPLACED:
+            return
         while not self.closing():
             done = self.restarts.get(key, 0)
-            if not self.supervise or code == 0 or done >= self._max_restarts:
+            if not self.supervise or done >= self._max_restarts:
                 if self.supervise and self._on_given_up is not None:
                     self._on_given_up(stage, replica)
                 return
@@ -282,14 +286,19 @@ class LocalLauncher:
         """Pids of the processes still running, by (stage, replica)."""
         return {key: p.pid for key, p in self.procs.items() if p.returncode is None}
 
+    def begin_close(self) -> None:
+        """The pipeline is closing: from now on a worker that exits (told to by its master)
+        is neither reported nor restarted, and a restart's backoff ends at once."""
+        self._closing = True
+        self._closed.set()
+
     async def aclose(self, grace: float = 5.0) -> None:
         """Wait ``grace`` seconds for workers to exit, then terminate, then kill.
 
         Raises:
             Nothing: only pids this launcher started are signalled.
         """
-        self._closing = True
-        self._closed.set()
+        self.begin_close()
         while True:
             await self._stop_running(grace)
             await asyncio.gather(*self._watchers, return_exceptions=True)

@@ -47,6 +47,12 @@ from pipeline._errors import (
     format_traceback,
     message_of,
 )
+from pipeline._exit_codes import (
+    EXIT_INTERRUPTED,
+    EXIT_MASTER_LOST,
+    EXIT_REPLACED,
+    EXIT_SETUP_FAILED,
+)
 from pipeline._host import (
     address_toward,
     host_identity,
@@ -130,12 +136,8 @@ class BindFailed(Exception):
 SLOT_RETRIES = 3
 
 
-EXIT_SETUP_FAILED = 3
 #: When a worker registering with no answer first says so, and then how often, in seconds.
 WAITING_NOTE_S = (2.0, 30.0)
-EXIT_MASTER_LOST = 4
-#: A worker started by hand and stopped by Ctrl-C.
-EXIT_INTERRUPTED = 130
 
 log = structlog.get_logger("stagewire.worker")
 _decode_control = msgspec.msgpack.Decoder(ControlToWorker).decode
@@ -280,6 +282,8 @@ class _Worker:
         #: started it (``dropped``).
         self.rejoining = False
         self.dropped = False
+        #: Told to stop because a newer worker took its slot: it exits 5, not restarted.
+        self.replaced = False
         self.last_seen = time.monotonic()
         self.garbage = 0
         self.control_reader = SocketReader(self.control, self._on_control, self._on_error)
@@ -378,6 +382,7 @@ class _Worker:
                     # Not the pipeline's end: say why this worker stops (it was replaced).
                     log.warning("stopped_by_master", stage=self.stage, reason=reason)
                     self.rejoining = False
+                    self.replaced = True
                 else:
                     self.rejoining = False
                 self.stop.set()
@@ -599,6 +604,8 @@ class _Worker:
         await self._teardown(instance)
         if self.dropped:
             return EXIT_MASTER_LOST
+        if self.replaced:
+            return EXIT_REPLACED
         return EXIT_INTERRUPTED if self.interrupted else code
 
     async def _rejoin(self, spec: PipelineSpec, actor: StageActor, timeout: float) -> int | None:

@@ -39,9 +39,12 @@ GAUGE_WORK_S = 0.25
 
 
 class Echo(Stage):
-    """Returns its input; fails on 'boom', returns a wrong type on 'badtype'."""
+    """Returns its input; fails on 'boom', returns a wrong type on 'badtype', ends its
+    process with code 0 on 'exit0' (as a library calling exit would)."""
 
     async def process(self, text: Text, ctx: Context) -> Text:
+        if text.value == "exit0":
+            os._exit(0)
         if "boom" in text.value:
             raise ValueError(f"cannot echo {text.value!r}")
         if text.value == "badtype":

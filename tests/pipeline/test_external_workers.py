@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline._exit_codes import EXIT_REPLACED
 from pipeline._host import address_toward, tcp_endpoint
 from pipeline._messages import Heartbeat
 from tests.pipeline.conftest import wait_for, workers_announced
@@ -279,7 +280,7 @@ async def test_a_second_worker_for_a_live_replica_is_refused_and_one_gone_quiet_
     """A worker started for a slot whose replica is alive (heard from within two heartbeats)
     is refused, naming the holder, and exits 3; the holder serves on. Once the holder has
     gone quiet (stopped here), a new worker takes its slot, and the old one, when it runs
-    again, is told so and exits saying why."""
+    again, is told so and exits saying why (code 5)."""
     config = tmp_path / "echo.yaml"
     config.write_text(
         "name: echo\n"
@@ -308,7 +309,7 @@ async def test_a_second_worker_for_a_live_replica_is_refused_and_one_gone_quiet_
         await wait_for(lambda: f"new registration (pid {third.pid}" in master_log.read_text(), 60)
         assert _submit(master, '{"value": "new"}').stdout.split() == ['{"value":"new"}']
         os.kill(holder.pid, signal.SIGCONT)
-        assert await asyncio.to_thread(holder.wait, 30) == 0
+        assert await asyncio.to_thread(holder.wait, 30) == EXIT_REPLACED
         text = (tmp_path / "echo.err").read_text()
         assert "stopped_by_master" in text and f"(pid {third.pid} on host" in text, text
         assert third.poll() is None

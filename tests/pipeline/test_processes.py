@@ -17,6 +17,7 @@ import zmq
 
 from pipeline import Pipeline, PipelineError, PipelineSpec, StageUnavailable
 from pipeline._config import MasterSpec
+from pipeline._orchestrator import Orchestrator
 from stages.text import Text
 from tests.pipeline.conftest import spec, told, wait_for
 from tests.procs import alive, children, wait_exited
@@ -1012,6 +1013,51 @@ async def test_killed_worker_is_restarted_and_takes_its_slot_back() -> None:
         served = await _served_after_40(pipe, "echo")
         assert served[0] > 0, served
         assert served[1] > 0, served
+
+
+async def test_a_worker_that_exits_0_unasked_is_restarted() -> None:
+    """A worker whose process ends with code 0 while the pipeline serves (a handler, or a
+    library in it, called exit) was taken for one told to stop and never restarted: its
+    stage stayed unavailable for good. Its request fails; the slot is restarted and serves.
+    """
+    s = spec({"echo": {"impl": ":Echo"}}, [])
+    async with Pipeline(s) as pipe:
+        victim = pipe.worker_pids[("echo", 0)]
+        with pytest.raises(StageUnavailable, match="exited with code 0"):
+            await pipe.submit(Text("exit0"))
+
+        async def back() -> bool:
+            return pipe.worker_pids.get(("echo", 0)) not in (None, victim)
+
+        await wait_for(back, timeout=20)
+        assert await pipe.submit(Text("again")) == Text("again")
+    assert not alive(victim)
+
+
+async def test_workers_told_to_stop_by_a_close_are_not_taken_for_crashes(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a close the master tells every worker to stop, and they exit with 0: the launcher,
+    which restarts a worker that exits with 0 unasked, knows the close began first, and
+    reports no exit and restarts nothing, even when the workers are gone before the master
+    has finished closing (held open here until they are)."""
+    s = spec({"echo": {"impl": ":Echo", "replicas": 2}}, [])
+    close_orchestrator = Orchestrator.aclose
+
+    async def slow_close(orch: Orchestrator) -> None:
+        await wait_for(lambda: all(p.returncode is not None for p in procs), timeout=20)
+        await asyncio.sleep(0.1)  # the launcher's watchers run
+        await close_orchestrator(orch)
+
+    monkeypatch.setattr(Orchestrator, "aclose", slow_close)
+    async with Pipeline(s) as pipe:
+        assert await pipe.submit(Text("one")) == Text("one")
+        launcher = pipe._launcher
+        assert launcher is not None
+        procs = list(launcher.procs.values())
+    assert not any(p.returncode for p in launcher.procs.values()), launcher.procs
+    err = capfd.readouterr().err
+    assert "worker_exited" not in err and "worker_restarting" not in err, err
 
 
 async def test_a_restart_whose_setup_hangs_is_restarted_then_given_up(tmp_path: Path) -> None:
