@@ -37,6 +37,7 @@ from ._units import (
     Duration,
     ImportPath,
     PositiveByteSize,
+    Replicas,
     StageName,
     Timeout,
     TransportKind,
@@ -179,8 +180,8 @@ class StageSpec(_Spec):
     """The stage class, as ``package.module:Class``."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Parameters passed to the stage class, validated by the stage."""
-    replicas: Count = 1
-    """Worker processes running this stage."""
+    replicas: Replicas = 1
+    """Worker processes running this stage (at most 1024)."""
     device: Device = "cpu"
     """``cpu``, ``cuda`` or ``cuda:N``."""
     max_concurrency: Count = 16

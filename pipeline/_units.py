@@ -20,12 +20,14 @@ from pydantic_core import PydanticCustomError
 
 __all__ = (
     "BUILTIN_TRANSPORTS",
+    "MAX_REPLICAS",
     "BindAddress",
     "ByteSize",
     "Count",
     "Device",
     "Duration",
     "ImportPath",
+    "Replicas",
     "StageName",
     "Timeout",
     "TransportKind",
@@ -266,5 +268,11 @@ TransportKind = Annotated[
 #: A count of at least one. It is strict so that ``replicas: "2"`` and ``replicas: true``
 #: are refused rather than coerced; at most 2**31 - 1, which every message can carry.
 Count = Annotated[int, Field(strict=True, ge=1, le=2**31 - 1)]
+#: The most replicas of one stage: each is a process (with its sockets and, on shm edges,
+#: its segments), and the master keeps a slot for each from the start, so a count past
+#: this is a typo, which would otherwise exhaust the host before its first request.
+MAX_REPLICAS = 1024
+#: A stage's replica count: strict, at least one, at most :data:`MAX_REPLICAS`.
+Replicas = Annotated[int, Field(strict=True, ge=1, le=MAX_REPLICAS)]
 #: A duration that must be positive: a zero timeout would fail everything at once.
 Timeout = Annotated[Duration, Field(gt=0)]

@@ -368,6 +368,12 @@ def test_helpers_refuse_unknown_names() -> None:
             id="zero-replicas",
         ),
         pytest.param(
+            "stages:\n  a:\n    impl: m:A\n    replicas: 2147483647\n",
+            "p.yaml:4: stages.a.replicas: input should be less than or equal to 1024 "
+            "(got 2147483647)",
+            id="replicas-past-the-cap",
+        ),
+        pytest.param(
             "stages:\n  a:\n    impl: m:A\n    impl: m:B\n",
             "p.yaml:4: stages.a.impl: duplicate key 'impl' (first written on line 3)",
             id="duplicate-key",
