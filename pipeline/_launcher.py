@@ -18,6 +18,7 @@ import select
 import signal
 import sys
 import time
+import weakref
 from collections.abc import Callable
 
 import structlog
@@ -79,6 +80,7 @@ class LocalLauncher:
         self._closed = asyncio.Event()
         #: The pipe each worker watches for this process's end (see _lifeline).
         self._life: tuple[int, int] | None = None
+        _LAUNCHERS.add(self)
         self._max_restarts = max_restarts
         self._stable_s = stable_s
         #: Restarts since each slot's worker last served for ``stable_s`` (the budget used).
@@ -419,3 +421,17 @@ def _mark_killed(proc: asyncio.subprocess.Process) -> None:
     if transport is not None:
         with contextlib.suppress(Exception):
             transport.close()  # polls the Popen, which now has its code: no wait
+
+
+#: Every launcher of this process: a child forked from it (``os.fork``, a multiprocessing
+#: pool) closes their lifelines, or the workers would outlive this process as long as the
+#: child lives.
+_LAUNCHERS: weakref.WeakSet[LocalLauncher] = weakref.WeakSet()
+
+
+def _forget_lifelines_in_child() -> None:
+    for launcher in list(_LAUNCHERS):
+        launcher._close_lifeline()
+
+
+os.register_at_fork(after_in_child=_forget_lifelines_in_child)

@@ -408,3 +408,59 @@ async def test_a_heartbeat_interval_past_what_a_thread_waits_is_no_crash() -> No
     finally:
         threading.excepthook = before
     assert not crashed
+
+
+#: Starts a pipeline, forks a child that waits on stdin (as a service's multiprocessing
+#: pool would run), prints the workers' and the child's pids, and waits to be killed.
+_FORKS = """
+import asyncio, os, sys
+from pipeline import Pipeline
+from tests.pipeline.conftest import spec
+
+async def main():
+    pipe = Pipeline(spec({"echo": ":Echo"}, [], heartbeat_timeout="60s"))
+    await pipe.start()
+    child = os.fork()
+    if child == 0:
+        os.read(0, 1)
+        os._exit(0)
+    print(*pipe.worker_pids.values(), child, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_workers_end_with_their_master_though_a_child_forked_from_it_lives() -> None:
+    """Workers watch a pipe only their master's process holds open, and end at its end of
+    file. A child forked from that process (``os.fork``, a multiprocessing pool) inherited
+    the pipe's write end, and while it lived a master killed -9 left its workers running
+    (for twice the heartbeat timeout, 2 minutes here). The child now closes it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORKS],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, pids
+        proc.kill()
+        proc.wait()
+        assert alive(pids[1]), "the forked child ended with its parent"
+        assert wait_exited(pids[:1], 15), "the worker outlived its master"
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()  # the forked child's stdin: it reads its end and exits
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                if not wait_exited([pid], 5):
+                    os.kill(pid, 9)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
