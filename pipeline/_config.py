@@ -78,7 +78,9 @@ class MasterSpec(_Spec):
     """Where the master listens for workers and clients."""
 
     bind: BindAddress = "tcp://127.0.0.1:0"
-    """A ZeroMQ endpoint, ``tcp://HOST:PORT`` (port 0: any free port) or ``ipc://PATH``."""
+    """A ZeroMQ endpoint, ``tcp://HOST:PORT`` (port 0: any free port) or ``ipc://PATH``
+    (``ipc://@NAME``: Linux's abstract namespace, no file; ZeroMQ removes a file named
+    ``@NAME`` from the working directory as it binds one)."""
     keys: str | None = None
     """A directory holding the pipeline's CURVE key pair (``stagewire keys DIR``): every
     ZeroMQ socket of the pipeline then authenticates and encrypts, and a peer without the

@@ -866,10 +866,12 @@ class Master:
 
     def _unlink_ipc(self) -> None:
         for endpoint in (self.endpoint, self.data_endpoint):
-            if endpoint.startswith("ipc://"):
-                # ZMQ leaves a bound ipc socket's file behind.
+            path = endpoint.removeprefix("ipc://")
+            # ZMQ leaves a bound ipc socket's file behind. An abstract address (``@NAME``)
+            # has none: a file of that name in the working directory is someone else's.
+            if endpoint.startswith("ipc://") and not path.startswith("@"):
                 with contextlib.suppress(OSError):
-                    os.unlink(endpoint.removeprefix("ipc://"))
+                    os.unlink(path)
 
     async def aclose(self) -> None:
         """Tell every worker to shut down and close the sockets; idempotent.

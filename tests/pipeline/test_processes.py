@@ -1376,24 +1376,37 @@ def _has_ipv6_loopback() -> bool:
     return True
 
 
-@pytest.mark.parametrize("kind", ["ipv6", "ipc", "every-interface", "every-ipv6-interface"])
-async def test_every_master_bind_the_config_accepts_works(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "kind", ["ipv6", "ipc", "ipc-abstract", "every-interface", "every-ipv6-interface"]
+)
+async def test_every_master_bind_the_config_accepts_works(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An IPv6 or an ipc:// master address, which the config accepts, serves requests and
     leaves no socket file behind. (Both used to fail at bind with a ZMQ traceback.) So does
     a master bound to every interface: its launched workers were given the wildcard as the
-    address to reach it at, refused it, and start-up failed."""
+    address to reach it at, refused it, and start-up failed. An abstract ipc address
+    (``ipc://@NAME``) has no file: the close used to remove a file named ``@NAME`` from
+    the working directory."""
     if "ipv6" in kind and not _has_ipv6_loopback():
         pytest.skip("no IPv6 loopback here")
     bind = {
         "ipv6": "tcp://[::1]:0",
         "ipc": f"ipc://{tmp_path}/master.sock",
+        "ipc-abstract": f"ipc://@stagewire-test-{os.getpid()}-{tmp_path.name}",
         "every-interface": "tcp://0.0.0.0:0",
         "every-ipv6-interface": "tcp://[::]:0",
     }[kind]
+    monkeypatch.chdir(tmp_path)
     s = spec({"echo": ":Echo"}, []).model_copy(update={"master": MasterSpec(bind=bind)})
     async with Pipeline(s) as pipe:
         assert await pipe.submit(Text(kind)) == Text(kind)
-    assert not await asyncio.to_thread(os.listdir, tmp_path)
+        kept = {f"@{bind.removeprefix('ipc://@')}", f"@{bind.removeprefix('ipc://@')}.data"}
+        if kind == "ipc-abstract":
+            for name in kept:  # a user's files, which happen to have the sockets' names
+                (tmp_path / name).write_text("mine")
+    left = set(await asyncio.to_thread(os.listdir, tmp_path))
+    assert left == (kept if kind == "ipc-abstract" else set()), left
 
 
 async def test_a_master_address_in_use_fails_start_with_one_line() -> None:
