@@ -1207,6 +1207,28 @@ class StageActor:
             "inputs": [ch.statistics() for _, ch in self._inputs_by_edge.values()],
             "outputs": [o.statistics() for o in self._outputs.values()],
             "counters": counters,
+            "oldest": self._oldest(),
+        }
+
+    def _oldest(self) -> dict[str, Any] | None:
+        """Where the longest-held request stands here: its age, whether its handler runs,
+        and its position on each edge. A request held far longer than the others is stuck
+        somewhere, and this says where."""
+        if not self._requests:
+            return None
+        req = min(self._requests.values(), key=lambda r: r.created)
+        task = req.task
+        return {
+            "request_id": req.request_id,
+            "age_s": round(time.monotonic() - req.created, 3),
+            "admitted": req.route is not None,
+            "started": req.started,
+            "slot": req.slot,
+            "running": task is not None and not task.done(),
+            "inputs": {edge: inflow.describe() for edge, inflow in req.inflows.items()},
+            "outputs": {
+                out.plan.name: out.describe(req.request_id) for out in self._outputs.values()
+            },
         }
 
     async def reserve(self) -> None:

@@ -298,6 +298,21 @@ class Inflow:
         carries none, need not have been read.)"""
         return self.unfetched == 0 and self.buffer.complete
 
+    def describe(self) -> dict[str, Any]:
+        """Where this request stands on the edge, for a report of a request that seems stuck."""
+        buf = self.buffer
+        return {
+            "next_seq": buf.expected,
+            "buffered": buf.buffered,
+            "final_seq": buf.final_seq,
+            "waiting": buf.waiting,
+            "taken": self.taken,
+            "unfetched": self.unfetched,
+            "fetching": self.fetching is not None,
+            "credit_due": self.credit_due,
+            "sender": self.sender,
+        }
+
     def reading(self, item: Item) -> bool:
         """Whether ``item`` is the chunk the reader has taken and not yet finished with."""
         held, fetching = self.held, self.fetching
@@ -922,6 +937,23 @@ class OutputChannel:
                 shown = self._names[name]
                 used[shown] = used.get(shown, 0) + count
         return used
+
+    def describe(self, request_id: str) -> dict[str, Any] | None:
+        """Where ``request_id`` stands on this edge (None: no chunk of it sent yet), for a
+        report of a request that seems stuck."""
+        win = self._windows.get(request_id)
+        if win is None:
+            return None
+        return {
+            "next_seq": win.next_seq,
+            "acked": win.acked,
+            "allowed": win.allowed,
+            "in_flight": win.in_flight,
+            "reading": win.reading,
+            "done": win.done,
+            "waiting_credit": win.waiter is not None and not win.waiter.done(),
+            "reader": win.reader,
+        }
 
     def statistics(self) -> dict[str, Any]:
         """Counters for this edge's producer side."""

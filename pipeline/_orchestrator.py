@@ -702,6 +702,21 @@ class Orchestrator:
             "peak_active": self.peak_active,
             "inputs": [ch.statistics() for ch in self._from_sinks.values()],
             "outputs": [ch.statistics() for ch in self._to_sources.values()],
+            "oldest": self._oldest(),
+        }
+
+    def _oldest(self) -> dict[str, Any] | None:
+        """Where the longest-active request stands at the client (requests are kept in the
+        order they were admitted): its route, the stages that reported its end, and its
+        position on each sink edge."""
+        req = next(iter(self.requests.values()), None)
+        if req is None:
+            return None
+        return {
+            "request_id": req.request_id,
+            "route": req.route,
+            "ended": sorted(req.ended),
+            "sinks": {src: inflow.describe() for src, inflow in req.inflows.items()},
         }
 
     async def aclose(self) -> None:

@@ -205,3 +205,30 @@ async def test_a_failure_handed_over_by_a_running_task_leaves_that_task_running(
             with pytest.raises(StageError, match="relayed from the background task"):
                 async with asyncio.timeout(10):
                     await pipe.submit(Text(f"r{i}"))
+
+
+async def test_statistics_say_where_a_stuck_request_stands() -> None:
+    """A stream whose producer stalls after its first token: each replica's and the client's
+    ``oldest`` names it and where it waits (the relay's handler runs, reading the token
+    edge past seq 0; the client has taken the relayed first chunk); once it is aborted,
+    no replica holds anything, and ``oldest`` is None everywhere."""
+    async with Pipeline(spec({"tok": ":Tokens", "relay": ":Relay"}, [("tok", "relay")])) as pipe:
+        stream = pipe.stream(Text("first stall"))
+        async for _ in stream:
+            break
+        stats = await pipe.statistics()
+        by_stage = {r["stage"]: r["oldest"] for r in stats["replicas"]}
+        rid = by_stage["tok"]["request_id"]
+        relay, client = by_stage["relay"], stats["client"]["oldest"]
+        assert relay["request_id"] == client["request_id"] == rid
+        assert relay["running"] and relay["slot"] and relay["age_s"] >= 0
+        waiting = relay["inputs"]["tok->relay"]
+        assert waiting["next_seq"] == 1 and waiting["waiting"] and waiting["final_seq"] is None
+        sent = by_stage["tok"]["outputs"]["tok->relay"]
+        assert sent["next_seq"] == 1 and not sent["waiting_credit"], sent
+        assert client["sinks"]["relay"]["taken"] == 1 and client["ended"] == []
+        await stream.aclose()
+        await wait_for(lambda: settled(pipe), timeout=10)
+        stats = await pipe.statistics()
+        assert [r["oldest"] for r in stats["replicas"]] == [None, None]
+        assert stats["client"]["oldest"] is None

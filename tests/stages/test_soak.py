@@ -22,6 +22,7 @@ after close no process and no shm segment.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -204,6 +205,11 @@ async def _state(pipe: Pipeline) -> str:
     ]
     client = stats["client"]
     parts.append(f"client active={client['active']} peak_active={client['peak_active']}")
+    # Where the longest-held request of each replica and of the client stands, whole: the
+    # report a hang is diagnosed from (printed, as an assertion's text is cut short).
+    oldest = {f"{r['stage']}[{r['replica']}]": r["oldest"] for r in stats["replicas"]}
+    oldest["client"] = client["oldest"]
+    print("oldest requests:", json.dumps(oldest, indent=1))
     return "; ".join(parts)
 
 
