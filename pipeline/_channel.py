@@ -523,8 +523,10 @@ class OutputChannel:
         #: Bytes of queued requests' puts into the shared transport still under way: not yet
         #: counted there, but already promised.
         self._queued_putting = 0
-        #: Windows whose send waits for the queued share to drop.
-        self._queued_waiting: set[_Window] = set()
+        #: Windows whose send waits for the queued share to drop, in the order they began
+        #: waiting, each with whether its chunk is the request's first: when the share has
+        #: room they go in that order, ahead of any send that has not waited.
+        self._queued_waiting: dict[_Window, bool] = {}
         #: The consumer replica (its endpoint) of each request with payloads counted as
         #: queued in the shared transport; pruned as the transport stops counting them.
         self._queued_readers: dict[str, str] = {}
@@ -658,7 +660,7 @@ class OutputChannel:
             first = not win.next_seq
             if (
                 not (first and self.plan.joined)
-                and self._holds_back(win, first)
+                and not self._may_go(win, first)
                 and not await self._wait_queued(win, first)
             ):
                 self.unread += 1
@@ -719,6 +721,23 @@ class OutputChannel:
         reader = win.reader
         return reader in self._queued_readers.values() or reader in self._putting_for.values()
 
+    def _may_go(self, win: _Window, first: bool) -> bool:
+        """Whether a chunk of ``win`` (its request not being read) may go into the shared
+        transport now: it is not held back, and no send that began waiting before it may
+        go (that one goes first, woken here, or a stream of newcomers could take every
+        moment the share has room, and starve it: a request held back for minutes)."""
+        if self._holds_back(win, first):
+            return False
+        for other, other_first in self._queued_waiting.items():
+            if other is win:
+                return True
+            if other.done or other.reading or self._holds_back(other, other_first):
+                continue
+            if other.waiter is not None and not other.waiter.done():
+                other.waiter.set_result(None)
+            return False
+        return True
+
     def _prune_queued_readers(self) -> bool:
         """Forget the readers of requests whose payloads no longer count as queued (read,
         released, taken back); False when the shared transport cannot say which do."""
@@ -744,10 +763,10 @@ class OutputChannel:
             RequestAborted: the request was aborted meanwhile.
         """
         self.queued_waits += 1
-        self._queued_waiting.add(win)
+        self._queued_waiting[win] = first
         try:
             loop = asyncio.get_running_loop()
-            while not win.done and not win.reading and self._holds_back(win, first):
+            while not win.done and not win.reading and not self._may_go(win, first):
                 waiter = win.waiter = loop.create_future()
                 recheck = loop.call_later(QUEUED_RECHECK_S, _wake, waiter)
                 try:
@@ -756,7 +775,12 @@ class OutputChannel:
                     recheck.cancel()
                     win.waiter = None
         finally:
-            self._queued_waiting.discard(win)
+            self._queued_waiting.pop(win, None)
+            # The next in line may go now, if the share still has room.
+            for other in self._queued_waiting:
+                if other.waiter is not None and not other.waiter.done():
+                    other.waiter.set_result(None)
+                break
         return not win.done
 
     async def _put_queued(

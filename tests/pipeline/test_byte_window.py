@@ -392,3 +392,45 @@ async def test_a_chunk_taken_on_its_arrival_is_the_next_one_read() -> None:
     assert (await wire.inp.next(wire.inflow)).seq == 2
     with pytest.raises(EndOfChannel):
         await wire.inp.next(wire.inflow)
+
+
+async def test_a_send_held_back_by_the_queued_share_goes_before_newcomers() -> None:
+    """First chunks of requests whose consumer has not begun reading them wait while the
+    queued share of the producer's shm arena is full. When it had room again, the first
+    send to run took it: a newcomer that had not waited went ahead of one that had, and
+    under a steady load one request waited a minute and more (the tight-arena soak). The
+    sends that waited now go first, in the order they began waiting."""
+    s = spec(
+        {"flood": ":Flood", "drain": ":Drain"},
+        [("flood", "drain")],
+        window=8,
+        window_bytes=1 << 20,
+        transport={"kind": "shm", "options": {"capacity": "1MiB"}},
+    )
+    plan = build_plan(s).stages["flood"].outputs["drain"]
+    out = OutputChannel(plan, host="h", endpoint="producer", send=lambda _, run: None)
+    target = SendTarget("consumer", "h")
+    encoded = out.codec.encode(Blob(0, bytes(300_000)))  # one fills the 256 KiB share
+
+    async def settle() -> None:
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    try:
+        await out.send("first", encoded, True, target)  # queued: the share is full now
+        waiting = asyncio.ensure_future(out.send("waiting", encoded, True, target))
+        await settle()
+        assert not waiting.done() and out.queued_waits == 1
+        # A newcomer's send runs first, then the consumer begins reading the queued
+        # request, which frees the share, in the same turn of the loop.
+        newcomer = asyncio.ensure_future(out.send("newcomer", encoded, True, target))
+        out.on_credit(Credit("first", plan.name, 1))
+        await settle()
+        assert waiting.done(), "the send that waited lost its turn to a newcomer"
+        await waiting
+        assert not newcomer.done()  # its turn comes once the consumer reads the other
+        out.on_credit(Credit("waiting", plan.name, 1))
+        await asyncio.wait_for(newcomer, 5)
+        assert out.queued_waits == 2
+    finally:
+        await out.aclose()

@@ -22,11 +22,13 @@ after close no process and no shm segment.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import random
 import signal
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +224,8 @@ async def _mixed_load(run: _Run, cache_dir: Path, *, tight: bool) -> None:
         deadline = time.monotonic() + run.seconds
         warm_at = time.monotonic() + min(15.0, run.seconds / 4)
         warm_rss: dict[Any, int] = {}
+        #: Each running request's stream, by the task reading it (for a hang's report).
+        streams: weakref.WeakKeyDictionary[asyncio.Task[Any], Any] = weakref.WeakKeyDictionary()
 
         async def one(kind: str, i: int) -> None:
             if kind == "bad":
@@ -234,6 +238,9 @@ async def _mixed_load(run: _Run, cache_dir: Path, *, tight: bool) -> None:
                     errors.append("a corrupt image did not fail")
                 return
             stream = pipe.stream(inputs[i])
+            this = asyncio.current_task()
+            assert this is not None
+            streams[this] = stream
             if kind == "cancelled":
                 await stream.start()
                 await asyncio.sleep(rng.random() * 0.03)
@@ -261,15 +268,25 @@ async def _mixed_load(run: _Run, cache_dir: Path, *, tight: bool) -> None:
                     warm_rss.update({k: _rss(pid) for k, pid in pids.items()})
                 kind = rng.choices(list(counts), weights=[16, 2, 2, 1])[0]
                 i = rng.randrange(len(inputs))
-                try:
-                    await asyncio.wait_for(one(kind, i), 60)
-                except TimeoutError:
-                    # What every stage held then, for the report: a request that gets nothing
-                    # for a minute is a hang somewhere.
+                task = asyncio.ensure_future(one(kind, i))
+                done, _ = await asyncio.wait({task}, timeout=60)
+                if not done:
+                    # What every stage held then, and where this client waits, for the report:
+                    # a request that gets nothing for a minute is a hang somewhere.
+                    where = io.StringIO()
+                    task.print_stack(file=where)
+                    stream = streams.get(task)
+                    rid = stream.request_id if stream is not None else None
+                    held = rid in pipe._master_here().orch.requests
+                    print(f"stuck {kind!r} request {rid} (held by the client: {held}):")
+                    print(where.getvalue())
                     errors.append(
                         f"a {kind!r} request of input {i} took over 60 s; {await _state(pipe)}"
                     )
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
                     return
+                task.result()
                 counts[kind] += 1
 
         await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
