@@ -401,8 +401,14 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         # Their figures are not in the tables: say so, rather than show partial sums.
         silent = ", ".join(stats["unanswered"])
         console.print(f"[yellow]no figures from {escape(silent)}[/yellow] (not ready, or silent)")
+    # The request streamed first is in the tables' counts, not in the batch's.
+    streamed = (
+        " (and the one streamed first, counted in the tables)"
+        if args.show_stream is not None
+        else ""
+    )
     console.print(
-        f"{total - len(failures)}/{total} requests ok in {elapsed:.2f}s "
+        f"{total - len(failures)}/{total} requests ok{streamed} in {elapsed:.2f}s "
         f"({total / elapsed:.0f} req/s at concurrency {clients}); "
         f"workers started in {started:.2f}s"
     )
