@@ -776,11 +776,12 @@ class OutputChannel:
                     win.waiter = None
         finally:
             self._queued_waiting.pop(win, None)
-            # The next in line may go now, if the share still has room.
-            for other in self._queued_waiting:
-                if other.waiter is not None and not other.waiter.done():
-                    other.waiter.set_result(None)
-                break
+            # The next in line that may go now (the share still has room) goes.
+            for other, other_first in self._queued_waiting.items():
+                if other.done or other.reading or not self._holds_back(other, other_first):
+                    if other.waiter is not None and not other.waiter.done():
+                        other.waiter.set_result(None)
+                    break
         return not win.done
 
     async def _put_queued(
