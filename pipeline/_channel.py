@@ -23,8 +23,10 @@ more until its consumer begins reading it. A consumer with this one input starts
 request before its first chunk, so a first chunk waits for the share too, while its own
 consumer replica has requests queued ahead of it: those have their first chunks there and
 run when their turn comes, and one replica's queue (its handler stuck, say) holds up no
-other replica's requests. A join's first chunk goes regardless: its handler may have
-started on another input and wait for this one. On such edges the consumer returns
+other replica's requests. Sends held back go in the order they began waiting, ahead of
+sends that have not waited, so a steady stream of newcomers cannot starve one. A join's
+first chunk goes regardless: its handler may have started on another input and wait for
+this one. On such edges the consumer returns
 credit at once for the first chunk it takes, which is how the producer learns that a
 request is being read.
 """
