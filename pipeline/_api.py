@@ -428,10 +428,18 @@ class Pipeline(LoopBound):
                 if self._master is master:
                     master.orch.replica_given_up(stage, replica)
 
+            def held_by_another(stage: str, replica: int, pid: int) -> bool:
+                return self._master is master and master.held_by_another(stage, replica, pid)
+
             # Workers launched here reach a master bound to every interface at loopback
             # (the wildcard is no address to connect to).
             self._launcher = launcher = LocalLauncher(
-                self.spec, on_this_host(master.endpoint), lost, on_given_up=given_up, keys=keys
+                self.spec,
+                on_this_host(master.endpoint),
+                lost,
+                on_given_up=given_up,
+                held_by_another=held_by_another,
+                keys=keys,
             )
             # A worker declared dead for silence is ended, so that its slot is restarted.
             master.on_silent = launcher.kill_hung

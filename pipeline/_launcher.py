@@ -58,6 +58,7 @@ class LocalLauncher:
         max_restarts: int = 3,
         stable_s: float = STABLE_S,
         on_given_up: Callable[[str, int], None] | None = None,
+        held_by_another: Callable[[str, int, int], bool] | None = None,
         keys: CurveKeys | None = None,
     ) -> None:
         self._spec = spec
@@ -67,6 +68,9 @@ class LocalLauncher:
         self._on_exit = on_exit
         #: Told when a replica that exited will not be restarted.
         self._on_given_up = on_given_up
+        #: Asked, of a worker that exited saying it was replaced (code 5), whether its
+        #: slot has another live holder: the code alone could be a stage's own exit(5).
+        self._held_by_another = held_by_another
         self.procs: dict[tuple[str, int], asyncio.subprocess.Process] = {}
         #: A pidfd of each worker not yet seen to exit, by pid: what ``kill_now`` signals,
         #: which cannot reach another process that reused the pid.
@@ -230,10 +234,15 @@ class LocalLauncher:
         # (a transient error, as memory its predecessor still held) is restarted, with
         # backoff, a bounded number of times in a row, and takes its slot back. So is one
         # that ended with 0 (its code, or a library in it, called exit): outside a close
-        # no worker is told to. One the master replaced has a successor in its slot; one
+        # no worker is told to. One the master replaced (code 5, and another worker holds
+        # its slot, which the master confirms) has a successor there; one
         # that failed at start-up fails the start. A restart that cannot even be spawned
         # (out of processes, memory or descriptors) uses an attempt of the same budget.
-        if code == EXIT_REPLACED:
+        if (
+            code == EXIT_REPLACED
+            and self._held_by_another is not None
+            and self._held_by_another(stage, replica, proc.pid)
+        ):
             return
         while not self.closing():
             done = self.restarts.get(key, 0)

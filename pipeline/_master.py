@@ -641,6 +641,14 @@ class Master:
 
     # ---- liveness ------------------------------------------------------------------------
 
+    def held_by_another(self, stage: str, replica: int, pid: int) -> bool:
+        """Whether a live replica other than this host's process ``pid`` holds the slot."""
+        rep = self.replicas.get((stage, replica))
+        if rep is None or not rep.alive:
+            return False
+        here = local_pid(rep.pid, rep.pidns) if rep.host == self.host else 0
+        return here != pid
+
     def replica_lost(self, stage: str, replica: int, why: str, pid: int = 0) -> None:
         """Declare a replica dead and fail only the requests bound to it.
 

@@ -40,11 +40,11 @@ GAUGE_WORK_S = 0.25
 
 class Echo(Stage):
     """Returns its input; fails on 'boom', returns a wrong type on 'badtype', ends its
-    process with code 0 on 'exit0' (as a library calling exit would)."""
+    process with code N on 'exitN' (as a library calling exit would)."""
 
     async def process(self, text: Text, ctx: Context) -> Text:
-        if text.value == "exit0":
-            os._exit(0)
+        if text.value.startswith("exit") and text.value[4:].isdigit():
+            os._exit(int(text.value[4:]))
         if "boom" in text.value:
             raise ValueError(f"cannot echo {text.value!r}")
         if text.value == "badtype":

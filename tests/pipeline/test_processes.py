@@ -1015,16 +1015,18 @@ async def test_killed_worker_is_restarted_and_takes_its_slot_back() -> None:
         assert served[1] > 0, served
 
 
-async def test_a_worker_that_exits_0_unasked_is_restarted() -> None:
+@pytest.mark.parametrize("code", [0, 5])
+async def test_a_worker_that_exits_unasked_with_a_stop_code_is_restarted(code: int) -> None:
     """A worker whose process ends with code 0 while the pipeline serves (a handler, or a
     library in it, called exit) was taken for one told to stop and never restarted: its
-    stage stayed unavailable for good. Its request fails; the slot is restarted and serves.
-    """
+    stage stayed unavailable for good. So would one ending with 5, the code of a worker
+    the master replaced, had the launcher not asked the master whether another worker holds
+    the slot. Its request fails; the slot is restarted and serves."""
     s = spec({"echo": {"impl": ":Echo"}}, [])
     async with Pipeline(s) as pipe:
         victim = pipe.worker_pids[("echo", 0)]
-        with pytest.raises(StageUnavailable, match="exited with code 0"):
-            await pipe.submit(Text("exit0"))
+        with pytest.raises(StageUnavailable, match=f"exited with code {code}"):
+            await pipe.submit(Text(f"exit{code}"))
 
         async def back() -> bool:
             return pipe.worker_pids.get(("echo", 0)) not in (None, victim)
@@ -1032,6 +1034,58 @@ async def test_a_worker_that_exits_0_unasked_is_restarted() -> None:
         await wait_for(back, timeout=20)
         assert await pipe.submit(Text("again")) == Text("again")
     assert not alive(victim)
+
+
+def _hand_started_worker(master: str, stage: str, err: Path) -> subprocess.Popen[bytes]:
+    """``stagewire worker`` for replica 0 of ``stage``, as a user starts one, its log to
+    ``err``."""
+    with err.open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "worker", "--master", master, "--stage", stage,
+             "--connect-timeout", "30"],
+            stdin=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+
+
+async def test_a_launched_worker_replaced_by_another_in_its_slot_is_not_restarted(
+    tmp_path: Path,
+) -> None:
+    """A launched worker gone quiet (stopped here) is replaced by a worker started by hand
+    for its slot; running again, it is told so and exits 5. Its launcher, which the master
+    tells that another worker holds the slot, does not start it again (a restart would only
+    be refused as a duplicate, again and again, then give the slot up): the newcomer
+    serves, and the launcher's slot keeps the exited process."""
+    s = spec({"echo": ":Echo"}, [], heartbeat_interval="100ms", heartbeat_timeout="30s")
+    newcomer: subprocess.Popen[bytes] | None = None
+    async with Pipeline(s) as pipe:
+        launcher = pipe._launcher
+        master = pipe._master
+        assert launcher is not None and master is not None
+        holder = pipe.worker_pids[("echo", 0)]
+        os.kill(holder, signal.SIGSTOP)
+        try:
+            newcomer = _hand_started_worker(pipe.master_endpoint, "echo", tmp_path / "err")
+
+            def replaced() -> bool:
+                rep = master.replicas[("echo", 0)]
+                return rep.alive and rep.ready and rep.pid == newcomer.pid
+
+            await wait_for(replaced, timeout=30)
+        finally:
+            os.kill(holder, signal.SIGCONT)
+        proc = launcher.procs[("echo", 0)]
+        assert await asyncio.wait_for(proc.wait(), 30) == 5
+        # Its watcher is done with it, and began no restart (one would wait out a backoff).
+        await wait_for(lambda: all(t.done() for t in launcher._watchers), timeout=10)
+        assert launcher.procs[("echo", 0)] is proc and not launcher.restarts, launcher.restarts
+        assert await pipe.submit(Text("served")) == Text("served")
+    assert newcomer is not None
+    try:
+        assert await asyncio.to_thread(newcomer.wait, 30) == 0  # told to stop by the close
+    finally:
+        if newcomer.poll() is None:
+            newcomer.kill()
+        newcomer.wait()
 
 
 async def test_workers_told_to_stop_by_a_close_are_not_taken_for_crashes(
