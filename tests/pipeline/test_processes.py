@@ -1100,7 +1100,8 @@ async def test_workers_told_to_stop_by_a_close_are_not_taken_for_crashes(
 
     async def slow_close(orch: Orchestrator) -> None:
         await wait_for(lambda: all(p.returncode is not None for p in procs), timeout=20)
-        await asyncio.sleep(0.1)  # the launcher's watchers run
+        # The launcher's watchers have seen the exits: done, with no restart's backoff.
+        await wait_for(lambda: all(t.done() for t in launcher._watchers), timeout=10)
         await close_orchestrator(orch)
 
     monkeypatch.setattr(Orchestrator, "aclose", slow_close)
