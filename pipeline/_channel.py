@@ -966,11 +966,15 @@ class OutputChannel:
         return used
 
     def describe(self, request_id: str) -> dict[str, Any] | None:
-        """Where ``request_id`` stands on this edge (None: no chunk of it sent yet), for a
-        report of a request that seems stuck."""
+        """Where ``request_id`` stands on this edge (None: no send of it begun, or it was
+        forgotten), for a report of a request that seems stuck. A send waits either for
+        its consumer's credit or, its request not being read yet, in the queued share's
+        line."""
         win = self._windows.get(request_id)
         if win is None:
             return None
+        waits = win.waiter is not None and not win.waiter.done()
+        queued = win in self._queued_waiting
         return {
             "next_seq": win.next_seq,
             "acked": win.acked,
@@ -978,7 +982,8 @@ class OutputChannel:
             "in_flight": win.in_flight,
             "reading": win.reading,
             "done": win.done,
-            "waiting_credit": win.waiter is not None and not win.waiter.done(),
+            "waiting_credit": waits and not queued,
+            "waiting_queued": queued,
             "reader": win.reader,
         }
 

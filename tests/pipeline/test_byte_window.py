@@ -421,6 +421,8 @@ async def test_a_send_held_back_by_the_queued_share_goes_before_newcomers() -> N
         waiting = asyncio.ensure_future(out.send("waiting", encoded, True, target))
         await settle()
         assert not waiting.done() and out.queued_waits == 1
+        where = out.describe("waiting")
+        assert where is not None and where["waiting_queued"] and not where["waiting_credit"]
         # A newcomer's send runs first, then the consumer begins reading the queued
         # request, which frees the share, in the same turn of the loop.
         newcomer = asyncio.ensure_future(out.send("newcomer", encoded, True, target))

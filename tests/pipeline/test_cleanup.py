@@ -226,6 +226,7 @@ async def test_statistics_say_where_a_stuck_request_stands() -> None:
         assert waiting["next_seq"] == 1 and waiting["waiting"] and waiting["final_seq"] is None
         sent = by_stage["tok"]["outputs"]["tok->relay"]
         assert sent["next_seq"] == 1 and not sent["waiting_credit"], sent
+        assert not sent["waiting_queued"], sent
         assert client["sinks"]["relay"]["taken"] == 1 and client["ended"] == []
         await stream.aclose()
         await wait_for(lambda: settled(pipe), timeout=10)
