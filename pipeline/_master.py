@@ -425,7 +425,7 @@ class Master:
                 rep.ready = True
                 self.orch.replica_ready(rep.stage, rep.replica)
                 log.info("replica_ready", stage=rep.stage, replica=rep.replica, pid=rep.pid)
-                pid = local_pid(rep.pid, rep.pidns) if rep.host == self.host else 0
+                pid = self._pid_here(rep)
                 if pid and self.on_ready is not None:
                     self.on_ready(rep.stage, rep.replica, pid)
                 if all(k in self.replicas and self.replicas[k].ready for k in self.expected):
@@ -641,13 +641,23 @@ class Master:
 
     # ---- liveness ------------------------------------------------------------------------
 
+    def _pid_here(self, rep: _Replica) -> int:
+        """``rep``'s pid as this process sees it; 0 when it runs on another host or in
+        another pid namespace."""
+        return local_pid(rep.pid, rep.pidns) if rep.host == self.host else 0
+
+    def _held_by(self, rep: _Replica, pid: int) -> bool:
+        """Whether this host's process ``pid`` is the worker registered as ``rep``."""
+        here = self._pid_here(rep)
+        if here:
+            return here == pid
+        # Neither process could read its pid namespace: the raw pid is all there is.
+        return rep.host == self.host and not rep.pidns and not pid_namespace() and rep.pid == pid
+
     def held_by_another(self, stage: str, replica: int, pid: int) -> bool:
         """Whether a live replica other than this host's process ``pid`` holds the slot."""
         rep = self.replicas.get((stage, replica))
-        if rep is None or not rep.alive:
-            return False
-        here = local_pid(rep.pid, rep.pidns) if rep.host == self.host else 0
-        return here != pid
+        return rep is not None and rep.alive and not self._held_by(rep, pid)
 
     def replica_lost(self, stage: str, replica: int, why: str, pid: int = 0) -> None:
         """Declare a replica dead and fail only the requests bound to it.
@@ -656,7 +666,7 @@ class Master:
         worker registered since in its place is not the one that died.
         """
         rep = self.replicas.get((stage, replica))
-        if rep is not None and rep.alive and pid and local_pid(rep.pid, rep.pidns) not in (0, pid):
+        if rep is not None and rep.alive and pid and not self._held_by(rep, pid):
             log.info("stale_exit_ignored", stage=stage, replica=replica, pid=pid, holder=rep.pid)
             return
         if rep is None or not rep.alive:
@@ -778,7 +788,7 @@ class Master:
                     why = f"was not ready {setup_limit:g}s (startup_timeout) after registering"
                 if why:
                     self.replica_lost(rep.stage, rep.replica, why)
-                    pid = local_pid(rep.pid, rep.pidns) if rep.host == self.host else 0
+                    pid = self._pid_here(rep)
                     if pid and self.on_silent is not None:
                         self.on_silent(rep.stage, rep.replica, pid)
                 else:

@@ -1036,25 +1036,43 @@ async def test_a_worker_that_exits_unasked_with_a_stop_code_is_restarted(code: i
     assert not alive(victim)
 
 
-def _hand_started_worker(master: str, stage: str, err: Path) -> subprocess.Popen[bytes]:
+def _hand_started_worker(
+    master: str, stage: str, err: Path, *, own_pids: bool = False
+) -> subprocess.Popen[bytes]:
     """``stagewire worker`` for replica 0 of ``stage``, as a user starts one, its log to
-    ``err``."""
+    ``err``; with ``own_pids``, in a pid namespace of its own (as in a container)."""
+    prefix = ["unshare", "-fp"] if own_pids else []
     with err.open("wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "worker", "--master", master, "--stage", stage,
-             "--connect-timeout", "30"],
+            [*prefix, sys.executable, "-m", "pipeline", "worker", "--master", master,
+             "--stage", stage, "--connect-timeout", "30"],
             stdin=subprocess.DEVNULL, stderr=log,
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "own_pids",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not _can_unshare_pids(), reason="needs unshare -p (a pid namespace)"
+            ),
+        ),
+    ],
+    ids=["same-pid-namespace", "own-pid-namespace"],
+)
 async def test_a_launched_worker_replaced_by_another_in_its_slot_is_not_restarted(
-    tmp_path: Path,
+    tmp_path: Path, own_pids: bool
 ) -> None:
     """A launched worker gone quiet (stopped here) is replaced by a worker started by hand
     for its slot; running again, it is told so and exits 5. Its launcher, which the master
     tells that another worker holds the slot, does not start it again (a restart would only
     be refused as a duplicate, again and again, then give the slot up): the newcomer
-    serves, and the launcher's slot keeps the exited process."""
+    serves, and the launcher's slot keeps the exited process. The old worker's exit is no
+    death of the newcomer's, even when the newcomer's pid means nothing here (its own pid
+    namespace: the master used to declare it dead, failing what it served)."""
     s = spec({"echo": ":Echo"}, [], heartbeat_interval="100ms", heartbeat_timeout="30s")
     newcomer: subprocess.Popen[bytes] | None = None
     async with Pipeline(s) as pipe:
@@ -1062,22 +1080,27 @@ async def test_a_launched_worker_replaced_by_another_in_its_slot_is_not_restarte
         master = pipe._master
         assert launcher is not None and master is not None
         holder = pipe.worker_pids[("echo", 0)]
+        first = master.replicas[("echo", 0)].identity
         os.kill(holder, signal.SIGSTOP)
         try:
-            newcomer = _hand_started_worker(pipe.master_endpoint, "echo", tmp_path / "err")
+            newcomer = _hand_started_worker(
+                pipe.master_endpoint, "echo", tmp_path / "err", own_pids=own_pids
+            )
 
             def replaced() -> bool:
                 rep = master.replicas[("echo", 0)]
-                return rep.alive and rep.ready and rep.pid == newcomer.pid
+                return rep.alive and rep.ready and rep.identity != first
 
             await wait_for(replaced, timeout=30)
         finally:
             os.kill(holder, signal.SIGCONT)
+        serving = master.replicas[("echo", 0)]
         proc = launcher.procs[("echo", 0)]
         assert await asyncio.wait_for(proc.wait(), 30) == 5
         # Its watcher is done with it, and began no restart (one would wait out a backoff).
         await wait_for(lambda: all(t.done() for t in launcher._watchers), timeout=10)
         assert launcher.procs[("echo", 0)] is proc and not launcher.restarts, launcher.restarts
+        assert master.replicas[("echo", 0)] is serving and serving.alive, serving.why
         assert await pipe.submit(Text("served")) == Text("served")
     assert newcomer is not None
     try:
