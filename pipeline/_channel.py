@@ -730,15 +730,25 @@ class OutputChannel:
         moment the share has room, and starve it: a request held back for minutes)."""
         if self._holds_back(win, first):
             return False
+        return not self._wake_first_in_line(before=win)
+
+    def _wake_first_in_line(self, before: _Window | None = None) -> bool:
+        """Wake the send that waits longest in the queued share's line, ahead of ``before``,
+        and may go now; False when there is none. Those on the way whose request ended or
+        is being read are woken too, to leave the line."""
         for other, other_first in self._queued_waiting.items():
-            if other is win:
-                return True
-            if other.done or other.reading or self._holds_back(other, other_first):
+            if other is before:
+                return False
+            if other.done or other.reading:
+                if other.waiter is not None:
+                    _wake(other.waiter)
                 continue
-            if other.waiter is not None and not other.waiter.done():
-                other.waiter.set_result(None)
-            return False
-        return True
+            if self._holds_back(other, other_first):
+                continue
+            if other.waiter is not None:
+                _wake(other.waiter)
+            return True
+        return False
 
     def _prune_queued_readers(self) -> bool:
         """Forget the readers of requests whose payloads no longer count as queued (read,
@@ -779,11 +789,7 @@ class OutputChannel:
         finally:
             self._queued_waiting.pop(win, None)
             # The next in line that may go now (the share still has room) goes.
-            for other, other_first in self._queued_waiting.items():
-                if other.done or other.reading or not self._holds_back(other, other_first):
-                    if other.waiter is not None and not other.waiter.done():
-                        other.waiter.set_result(None)
-                    break
+            self._wake_first_in_line()
         return not win.done
 
     async def _put_queued(
