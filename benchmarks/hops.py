@@ -57,7 +57,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ from benchmarks._measure import PhaseLog, cpu_seconds, hop_p50s, median  # noqa:
 from benchmarks.bench_stages import Blob, Counted, Start  # noqa: E402
 from benchmarks.wake_cost import measure as wake_cost  # noqa: E402
 from pipeline import Pipeline  # noqa: E402
+from pipeline._cpu_idle import CpuIdle, hold_cpu_idle  # noqa: E402
 from pipeline._reorder import ReorderBuffer  # noqa: E402
 
 KIB = 1024
@@ -111,6 +112,9 @@ class Config:
     trial_budget_s: float = 4.0
     #: Deadline of any single blocking step (a request, a reply), in seconds.
     step_timeout_s: float = 30.0
+    #: The pipelines' ``defaults.cpu_idle``; ``poll`` is held by this process too, for the
+    #: whole run, so that every baseline is measured in the same state.
+    cpu_idle: CpuIdle = "default"
 
 
 FULL = Config()
@@ -746,11 +750,16 @@ def _paired_extra(per_chunk: dict[str, list[float]], ours: str, fifo: str) -> fl
 
 
 def chain_spec(
-    name: str, impls: tuple[str, str, str, str], window: int | None = None
+    name: str,
+    impls: tuple[str, str, str, str],
+    window: int | None = None,
+    cpu_idle: CpuIdle = "default",
 ) -> dict[str, Any]:
     """A 4-stage chain, every edge inline."""
     names = ("source", "relay1", "relay2", "sink")
     defaults: dict[str, Any] = {"transport": "inline", "chunk_timeout": "30s"}
+    if cpu_idle != "default":
+        defaults["cpu_idle"] = cpu_idle
     if window is not None:
         defaults["window"] = window
     return {
@@ -805,7 +814,7 @@ async def _started(spec: dict[str, Any]) -> tuple[Pipeline, float]:
 
 async def stagewire_latency(cfg: Config) -> dict[str, Any]:
     """C.a: sequential 1 KiB requests through the 4-stage chain."""
-    pipe, startup = await _started(chain_spec("hops-latency", LATENCY_CHAIN))
+    pipe, startup = await _started(chain_spec("hops-latency", LATENCY_CHAIN, cpu_idle=cfg.cpu_idle))
     try:
         blob = Blob(b"\x5a" * KIB)
         timeout = cfg.step_timeout_s
@@ -861,7 +870,7 @@ async def stagewire_stream(
 ) -> dict[str, Any]:
     """C.b: N 1 KiB chunks streamed through the chain, one request and several at once."""
     name = "hops-stream" if window is None else f"hops-stream-w{window}"
-    pipe, startup = await _started(chain_spec(name, STREAM_CHAIN, window))
+    pipe, startup = await _started(chain_spec(name, STREAM_CHAIN, window, cfg.cpu_idle))
     trials = cfg.sw_stream_trials
     labels = [("single", 1)] + ([("concurrent", cfg.sw_concurrency)] if concurrent else [])
     try:
@@ -1121,7 +1130,8 @@ def render(r: dict[str, Any]) -> str:
     lines += [
         "",
         f"- machine: {r['machine']['cpus']} CPUs, Python {r['machine']['python']}, "
-        f"pyzmq {r['machine']['pyzmq']}; medians of {r['config']['trials']} trials",
+        f"pyzmq {r['machine']['pyzmq']}; medians of {r['config']['trials']} trials; "
+        f"cpu_idle: {r['config'].get('cpu_idle', 'default')}",
         "- one-way p50 = RTT/2, median of trials [slowest and fastest trial]; a 2-vCPU VM "
         "flips between a fast regime (the peer vCPU still awake) and a slow one (woken from "
         "halt), so trials can differ several-fold: "
@@ -1187,10 +1197,19 @@ def main(argv: list[str] | None = None) -> int:
         help="also stream with credit window W, to see how much the window limits "
         "throughput (default: 1024 in full mode, off with --quick; 0 turns it off)",
     )
+    p.add_argument(
+        "--cpu-idle",
+        choices=("default", "poll"),
+        default="default",
+        help="the pipelines' defaults.cpu_idle; poll is held by this process too, for the "
+        "whole run (every baseline then runs with idle CPUs polling: needs root)",
+    )
     args = p.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so every finally block stops what this run started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cfg = QUICK if args.quick else FULL
+    cfg = replace(QUICK if args.quick else FULL, cpu_idle=args.cpu_idle)
+    if cfg.cpu_idle != "default" and hold_cpu_idle(cfg.cpu_idle) is None:
+        sys.exit(f"--cpu-idle {cfg.cpu_idle}: the PM QoS device refused it (see the warning)")
     json_out = os.path.abspath(args.json) if args.json else None
     os.chdir(ROOT)  # workers resolve "benchmarks.bench_stages" from the working directory
     t_start = time.perf_counter()

@@ -84,7 +84,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,7 @@ import torch  # noqa: E402
 
 from benchmarks._measure import PhaseLog, cpu_seconds, hop_p50s, median  # noqa: E402
 from pipeline import Pipeline, PipelineSpec  # noqa: E402
+from pipeline._cpu_idle import CpuIdle, hold_cpu_idle  # noqa: E402
 from stages.payloads import DecodeChunk, VLMRequest  # noqa: E402
 from stages.samples import sample_requests  # noqa: E402
 
@@ -137,6 +138,9 @@ class Config:
     trial_budget_s: float = 6.0
     #: Deadline of any single blocking step (a request, a reply, a start-up), in seconds.
     step_timeout_s: float = 60.0
+    #: The pipeline's ``defaults.cpu_idle``; ``poll`` is held by this process too, for the
+    #: whole run, so that the monolithic side runs in the same state.
+    cpu_idle: CpuIdle = "default"
 
 
 FULL = Config()
@@ -655,10 +659,16 @@ class MachineMeter:
         }
 
 
-def _spec(decode_replicas: int = 1, decode_params: dict[str, int] | None = None) -> PipelineSpec:
-    """configs/tiny-vlm.yaml with ``decode_replicas`` replicas of the decode stage, and the
-    decode params given (``max_batch``: 1 makes every request step alone; ``chunk_tokens``)."""
+def _spec(
+    decode_replicas: int = 1,
+    decode_params: dict[str, int] | None = None,
+    cpu_idle: CpuIdle = "default",
+) -> PipelineSpec:
+    """configs/tiny-vlm.yaml with ``decode_replicas`` replicas of the decode stage, the
+    decode params given (``max_batch``: 1 makes every request step alone; ``chunk_tokens``)
+    and ``defaults.cpu_idle``."""
     data: dict[str, Any] = PipelineSpec.from_yaml(CONFIG).to_dict()
+    data.setdefault("defaults", {})["cpu_idle"] = cpu_idle
     decode = data["stages"]["decode"]
     decode["replicas"] = decode_replicas
     decode["params"].update(decode_params or {})
@@ -720,7 +730,7 @@ async def run(
 
         _log("staged pipeline: start-up")
         t0 = time.perf_counter()
-        async with Pipeline(_spec(decode_params=decode_params)) as pipe:
+        async with Pipeline(_spec(decode_params=decode_params, cpu_idle=cfg.cpu_idle)) as pipe:
             out["staged_startup_s"] = time.perf_counter() - t0
             out["workers"] = {stage: pid for (stage, _k), pid in pipe.worker_pids.items()}
             # The second monolithic child (for the two-process diagnostic only) starts
@@ -763,7 +773,7 @@ async def run(
         if decode_replicas > 1:
             _log(f"diagnostic: staged with {decode_replicas} decode replicas: start-up")
             t0 = time.perf_counter()
-            async with Pipeline(_spec(decode_replicas, decode_params)) as pipe:
+            async with Pipeline(_spec(decode_replicas, decode_params, cfg.cpu_idle)) as pipe:
                 rep: dict[str, Any] = {
                     "decode_replicas": decode_replicas,
                     "startup_s": time.perf_counter() - t0,
@@ -1002,7 +1012,8 @@ def render(raw: dict[str, Any], s: dict[str, Any]) -> str:
     lines += [
         "",
         f"- machine: {raw['machine']['cpus']} CPUs, Python {raw['machine']['python']}, "
-        f"torch {raw['machine']['torch']}; medians of {cfg['trials']} trials; inputs: the "
+        f"torch {raw['machine']['torch']}; cpu_idle: {cfg.get('cpu_idle', 'default')}; "
+        f"medians of {cfg['trials']} trials; inputs: the "
         f"{N_INPUTS} shipped sample requests, cycled (reference lengths "
         f"{raw['reference_lengths']} tokens)",
         "- per-trial overhead at conc 1 (median of the trial's pairs): "
@@ -1091,6 +1102,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the decode stage's chunk_tokens instead of the config's (the most tokens per "
         "streamed chunk: fewer chunks, fewer wake-ups of the client)",
     )
+    p.add_argument(
+        "--cpu-idle",
+        choices=("default", "poll"),
+        default="default",
+        help="the pipeline's defaults.cpu_idle; poll is held by this process too, for the "
+        "whole run (the monolithic side then runs with idle CPUs polling: needs root)",
+    )
     p.add_argument("--mono-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mono_child:
@@ -1098,7 +1116,9 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so every finally block stops what this run started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
-    cfg = QUICK if args.quick else FULL
+    cfg = replace(QUICK if args.quick else FULL, cpu_idle=args.cpu_idle)
+    if cfg.cpu_idle != "default" and hold_cpu_idle(cfg.cpu_idle) is None:
+        sys.exit(f"--cpu-idle {cfg.cpu_idle}: the PM QoS device refused it (see the warning)")
     json_out = os.path.abspath(args.json) if args.json else None
     os.chdir(ROOT)  # workers resolve "stages.*" from the working directory
     t_start = time.perf_counter()

@@ -25,6 +25,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ._cpu_idle import CpuIdle
 from ._errors import ConfigError
 from ._keys import edge_name
 from ._scheduling import Scheduling
@@ -159,6 +160,13 @@ class DefaultsSpec(_Spec):
     """How long a new request waits for a stage that has no ready replica (one restarting
     after a crash) to have one again, before it fails with StageUnavailable; 0 fails it at
     once. The request's ``request_timeout``, if shorter, bounds the wait too."""
+    cpu_idle: CpuIdle = "default"
+    """How this pipeline's hosts' idle CPUs wait. ``default`` leaves it to the kernel (a
+    virtual machine's idle vCPU halts, and waking it for a message takes tens of
+    microseconds); ``poll`` has every worker hold a zero wake-up latency request (Linux PM
+    QoS, ``/dev/cpu_dma_latency``) while it runs, so idle CPUs spin and a hop wakes its
+    stage at once, at the cost of CPUs kept busy while idle (power, a shared host's CPU).
+    Needs write access to the device (root); a worker refused it warns and serves anyway."""
 
     @field_validator("heartbeat_timeout")
     @classmethod

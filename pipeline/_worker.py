@@ -38,6 +38,7 @@ import zmq
 from pipeline import _collector
 from pipeline._actor import StageActor
 from pipeline._config import PipelineSpec
+from pipeline._cpu_idle import hold_cpu_idle
 from pipeline._devices import check_device, visible_devices
 from pipeline._encoded import DECODE_ERRORS
 from pipeline._errors import (
@@ -219,6 +220,8 @@ class _Worker:
         #: most a SIGTERM (see ``_die_with_parent``); 0 when started by hand.
         self.parent = os.getppid() if launched else 0
         self.replica = replica
+        #: The descriptor holding ``defaults.cpu_idle: poll`` in force, open until the end.
+        self._cpu_idle_fd: int | None = None
         self.host = host_identity()
         self.zctx = new_context()
         self.master = master
@@ -534,6 +537,8 @@ class _Worker:
             plan = build_plan(spec).stages[self.stage]
             # Before setup, so that the threads it starts (torch's) inherit the policy.
             apply_scheduling(plan.spec.scheduling)
+            if self._cpu_idle_fd is None:  # held once, for the process's life
+                self._cpu_idle_fd = hold_cpu_idle(spec.defaults.cpu_idle)
             check_device(plan.spec.device, self.stage)
             instance = plan.signature.cls(
                 params=plan.params, name=self.stage, replica=self.replica, device=plan.spec.device

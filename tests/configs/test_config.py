@@ -150,6 +150,7 @@ def test_minimal_spec_gets_defaults() -> None:
     assert (spec.defaults.heartbeat_interval, spec.defaults.heartbeat_timeout) == (1.0, 5.0)
     assert spec.stages["only"].scheduling == "batch"
     assert spec.defaults.replica_wait == 10.0
+    assert spec.defaults.cpu_idle == "default"
     stage = spec.stages["only"]
     assert (stage.replicas, stage.device, stage.max_concurrency) == (1, "cpu", 16)
     assert (stage.max_batch_size, stage.max_wait_ms, stage.env, stage.params) == (1, 0.0, {}, {})
@@ -474,6 +475,11 @@ def test_helpers_refuse_unknown_names() -> None:
             "stages:\n  a: {impl: 'm:A', scheduling: fifo}\n",
             "p.yaml:2: stages.a.scheduling: input should be 'normal' or 'batch' (got 'fifo')",
             id="unknown-scheduling-policy",
+        ),
+        pytest.param(
+            "defaults: {cpu_idle: spin}\nstages:\n  a: {impl: 'm:A'}\n",
+            "p.yaml:1: defaults.cpu_idle: input should be 'default' or 'poll' (got 'spin')",
+            id="unknown-cpu-idle-policy",
         ),
         pytest.param(
             "stages: {a: {impl: 'm:A'}}\nedges: {a: b}\n",

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -13,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import zmq
 
 from pipeline import Pipeline, PipelineError, PipelineSpec, StageUnavailable
 from pipeline._config import MasterSpec
+from pipeline._cpu_idle import PM_QOS_PATH, hold_cpu_idle
 from pipeline._orchestrator import Orchestrator
 from stages.text import Text
 from tests.pipeline.conftest import spec, told, wait_for
@@ -1540,6 +1543,53 @@ def test_stagewire_run_serves_with_the_collector_back_on(tmp_path: Path) -> None
 def _policies(pid: int) -> set[int]:
     """The scheduling policies of every thread of ``pid``."""
     return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def _pm_qos_fds(pid: int) -> int:
+    """How many descriptors ``pid`` holds open on the PM QoS device."""
+    fds = f"/proc/{pid}/fd"
+    return sum(os.readlink(f"{fds}/{fd}") == PM_QOS_PATH for fd in os.listdir(fds))
+
+
+def _cpu_latency_in_force() -> int:
+    """The CPU wake-up latency (µs) this host is held to: the least of every request."""
+    fd = os.open(PM_QOS_PATH, os.O_RDONLY)
+    try:
+        return int(struct.unpack("=i", os.read(fd, 4))[0])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(
+    not os.access(PM_QOS_PATH, os.R_OK | os.W_OK), reason="no writable PM QoS device here"
+)
+async def test_cpu_idle_poll_holds_a_zero_wake_up_latency_while_the_workers_run() -> None:
+    """``cpu_idle: poll``: every worker holds the host's CPUs to a zero wake-up latency (one
+    descriptor on the PM QoS device), restarted workers too, and the request ends with
+    the workers, even one killed with -9. By default no worker holds one."""
+    before = _cpu_latency_in_force()
+    stages = {"a": ":Echo", "b": ":Echo"}
+    async with Pipeline(spec(stages, [("a", "b")])) as pipe:
+        assert await pipe.submit(Text("x")) == Text("x")
+        assert [_pm_qos_fds(pid) for pid in pipe.worker_pids.values()] == [0, 0]
+    async with Pipeline(spec(stages, [("a", "b")], cpu_idle="poll")) as pipe:
+        assert await pipe.submit(Text("x")) == Text("x")
+        assert [_pm_qos_fds(pid) for pid in pipe.worker_pids.values()] == [1, 1]
+        assert _cpu_latency_in_force() == 0
+        await _kill_and_wait_for_restart(pipe, "a", 2)
+        assert [_pm_qos_fds(pid) for pid in pipe.worker_pids.values()] == [1, 1]
+        assert await pipe.submit(Text("y")) == Text("y")
+    assert _cpu_latency_in_force() == before
+
+
+def test_cpu_idle_refused_is_a_warning_not_a_failure(tmp_path: Path) -> None:
+    """Where the device is missing or not writable, ``poll`` holds nothing, says why, and
+    the worker serves on; ``default`` opens nothing."""
+    absent = str(tmp_path / "absent")
+    with structlog.testing.capture_logs() as logs:
+        assert hold_cpu_idle("default", absent) is None
+        assert hold_cpu_idle("poll", absent) is None
+    assert [(e["event"], e["device"]) for e in logs] == [("cpu_idle_refused", absent)], logs
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH on this platform")
