@@ -2,8 +2,8 @@
 
 At concurrency 1 every stage idles while the others compute, and each hop wakes one. On a
 virtual machine an idle vCPU halts, and waking it takes its host tens of microseconds
-(``benchmarks/wake_cost.py``: a Unix-socket wake-up of 27 µs in ping-pong and 74 µs after
-8 ms idle on the 2-vCPU VM this project is developed on, 4.6 and 22 µs with ``poll``).
+(``benchmarks/wake_cost.py``: a Unix-socket wake-up of 28 µs in ping-pong and 74 µs after
+8 ms idle on the 2-vCPU VM this project is developed on, 4.6 and 22.5 µs with ``poll``).
 ``poll`` asks Linux for a zero CPU wake-up latency (a PM QoS request on
 ``/dev/cpu_dma_latency``, held while the file stays open): idle CPUs then spin instead of
 halting. The request covers the whole host and ends with the process that holds it, even
@@ -36,10 +36,11 @@ def hold_cpu_idle(policy: CpuIdle, path: str = PM_QOS_PATH) -> int | None:
     """Put ``policy`` in force for as long as this process lives.
 
     Returns:
-        The descriptor that holds the request (leave it open; it closes with the process,
-        and is not inherited by children), or None: ``default`` needs none, and ``poll``
-        goes unheld where the platform has no such device or refuses it (no write access
-        without root). A warning says so, and the worker serves anyway.
+        The descriptor that holds the request (leave it open; it closes with the process
+        and with a forked child's, and no program it executes keeps it), or None:
+        ``default`` needs none, and ``poll`` goes unheld where the platform has no such
+        device or refuses it (no write access without root). A warning says so, and the
+        worker serves anyway.
     """
     if policy == "default":
         return None
