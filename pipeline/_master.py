@@ -688,7 +688,7 @@ class Master:
         # on its host remove what it left in /dev/shm, as does this process on its own.
         self._broadcast_peers()
         if rep.host == self.host:
-            sweep_after_deaths([local_pid(rep.pid, rep.pidns)])
+            sweep_after_deaths([self._pid_here(rep)])
         log.warning(
             "replica_dead",
             stage=stage,
@@ -752,9 +752,9 @@ class Master:
         """Declare dead every replica of ``stage`` on this host whose process has exited
         (its launcher, or its heartbeats, would say so a moment later)."""
         for rep in list(self.replicas.values()):
-            if rep.stage != stage or not rep.alive or rep.host != self.host:
+            if rep.stage != stage or not rep.alive:
                 continue
-            pid = local_pid(rep.pid, rep.pidns)
+            pid = self._pid_here(rep)  # 0 on another host
             if pid and not pid_alive(pid):
                 self.replica_lost(stage, rep.replica, "exited")
 
