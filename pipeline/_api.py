@@ -18,6 +18,7 @@ import structlog
 
 from pipeline._codec import resolve_device
 from pipeline._config import PipelineSpec
+from pipeline._document import YamlDocument
 from pipeline._errors import ConfigError, EndOfChannel, PayloadError, RequestAborted
 from pipeline._host import on_this_host
 from pipeline._launcher import LocalLauncher
@@ -27,7 +28,7 @@ from pipeline._master import Master
 from pipeline._orchestrator import ClientRequest
 from pipeline._security import resolve_keys
 from pipeline._signature import PipelinePlan, build_plan
-from pipeline._yaml import YamlDocument, read_yaml_file
+from pipeline._yaml import read_yaml_file
 
 if TYPE_CHECKING:
     from pipeline._remote import RemotePipeline

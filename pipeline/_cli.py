@@ -51,6 +51,7 @@ from rich.progress import (
 )
 
 from pipeline import _collector
+from pipeline.__main__ import worker_argv
 from pipeline._api import Pipeline, SinkOutput
 from pipeline._codec import resolve_device
 from pipeline._errors import (
@@ -897,12 +898,11 @@ def main(argv: list[str] | None = None) -> int:
     shuts down in order, workers included, and the command exits 143 saying so.
     """
     argv = sys.argv[1:] if argv is None else argv
-    debug = argv[:1] == ["--debug"]
-    command = argv[1:] if debug else argv
-    if command[:1] == ["worker"]:
+    worker = worker_argv(argv)
+    if worker is not None:
         from pipeline._worker import main as worker_main
 
-        return worker_main([*command[1:], *(["--debug"] if debug else [])])
+        return worker_main(worker)
     terminated = _on_sigterm_interrupt()
     try:
         return _main(argv)

@@ -26,6 +26,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ._cpu_idle import CpuIdle
+from ._document import YamlDocument, validation_to_config_error
 from ._errors import ConfigError
 from ._keys import edge_name
 from ._scheduling import Scheduling
@@ -43,7 +44,6 @@ from ._units import (
     Timeout,
     TransportKind,
 )
-from ._yaml import YamlDocument, parse_yaml, read_yaml_file, validation_to_config_error
 
 __all__ = (
     "BUILTIN_TRANSPORTS",
@@ -447,6 +447,8 @@ class PipelineSpec(_Spec):
             ConfigError: the file cannot be read, is not valid YAML, or is not a valid
                 pipeline; the message names the file, the field and the line.
         """
+        from ._yaml import read_yaml_file  # a worker, validating data, never loads PyYAML
+
         return cls._validate(read_yaml_file(path))
 
     @classmethod
@@ -466,6 +468,8 @@ class PipelineSpec(_Spec):
         Raises:
             ConfigError: the text is not valid YAML or not a valid pipeline.
         """
+        from ._yaml import parse_yaml
+
         return cls._validate(parse_yaml(text, source=source))
 
     @classmethod

@@ -22,11 +22,11 @@ from pydantic import AliasChoices, AliasPath, BaseModel, RootModel, ValidationEr
 
 from pipeline._codec import codec_for, type_name
 from pipeline._config import PipelineSpec, StageSpec, TransportSpec
+from pipeline._document import YamlDocument
 from pipeline._edge_transport import EdgeTransports, resolve_edge_transports
 from pipeline._errors import ConfigError, PayloadError
 from pipeline._keys import CLIENT, edge_name
 from pipeline._stage import Context, Outputs, Stage, Stream
-from pipeline._yaml import YamlDocument
 
 __all__ = (
     "EdgePlan",

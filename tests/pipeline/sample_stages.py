@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -955,3 +957,13 @@ class LeavesAReader(Stage):
         reader.add_done_callback(lambda task: task.cancelled() or task.exception())
         n = len([t async for t in a])
         return Text(str(n))
+
+
+class SaysWhatItLoaded(Stage):
+    """Answers with those of the comma-separated module names it is sent that its process
+    has loaded; 'import NAME' imports NAME first and answers with its module's name."""
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        if text.value.startswith("import "):
+            return Text(importlib.import_module(text.value.removeprefix("import ")).__name__)
+        return Text(",".join(m for m in text.value.split(",") if m in sys.modules))

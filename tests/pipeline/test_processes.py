@@ -1448,6 +1448,29 @@ async def test_a_stage_pythonpath_is_added_to_the_workers_path(tmp_path: Path) -
         assert os.getcwd() in entries  # what the launcher gives every worker, kept
 
 
+async def test_a_launched_worker_loads_neither_the_command_line_nor_yaml_nor_rich() -> None:
+    """A worker loads what it serves with, not the command line's modules (its progress
+    bars, the master, the launcher), PyYAML (the master sends the spec as data) or rich
+    (which structlog would load for its tracebacks): each worker paid them at start-up,
+    about a quarter of its imports. The stage may still import rich itself."""
+    unwanted = [
+        "rich",
+        "yaml",
+        "pygments",
+        "pipeline._cli",
+        "pipeline._api",
+        "pipeline._master",
+        "pipeline._launcher",
+        "pipeline._yaml",
+    ]
+    s = spec({"loaded": {"impl": ":SaysWhatItLoaded"}}, [])
+    async with Pipeline(s) as pipe:
+        assert await pipe.submit(Text(",".join([*unwanted, "structlog", "zmq"]))) == Text(
+            "structlog,zmq"
+        )
+        assert await pipe.submit(Text("import rich.console")) == Text("rich.console")
+
+
 def _has_ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:
