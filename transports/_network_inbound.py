@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-import numpy as np
 import zmq
 
 from pipeline._encoded import Buffer, Encoded
@@ -43,7 +42,13 @@ class ProtocolError(Exception):
 
 
 def _aligned(n: int) -> memoryview:
-    """``n`` writable bytes at an ``ALIGN``-byte boundary, not zeroed (it is overwritten)."""
+    """``n`` writable bytes at an ``ALIGN``-byte boundary, not zeroed (it is overwritten).
+
+    numpy loads on the first sliced payload, not with the transport: a worker whose
+    payloads never come sliced over the network does not pay its import at start-up.
+    """
+    import numpy as np
+
     raw = np.empty(n + ALIGN, dtype=np.uint8)
     start = -raw.ctypes.data % ALIGN
     return raw[start : start + n].data

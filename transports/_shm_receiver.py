@@ -8,8 +8,7 @@ import threading
 import time
 import warnings
 import weakref
-
-import numpy as np
+from typing import Any
 
 from pipeline._encoded import DECODE_ERRORS, Buffer, Encoded
 from pipeline._errors import ProducerLost, TransportError
@@ -209,7 +208,7 @@ class ShmReceiver(AsyncResource):
                 # keep this array alive, and its death tells us the extent is unused. A
                 # finalizer, unlike a bare weak reference, stays registered even if this
                 # receiver is dropped first, so the extent is still given back.
-                array = np.frombuffer(segment.data[start:stop], np.uint8)
+                array = _byte_array(segment.data[start:stop])
                 weakref.finalize(array, table.view_dead, pin).atexit = False
                 pin.views += 1
                 region = array.data
@@ -383,3 +382,15 @@ class ShmReceiver(AsyncResource):
             ResourceWarning,
             stacklevel=1,
         )
+
+
+def _byte_array(view: memoryview) -> Any:
+    """A numpy array of bytes over ``view``, without a copy.
+
+    numpy loads on the first payload read in place, not with the transport: every
+    ``auto`` edge has an shm receiver, and a worker whose payloads never come by shm does
+    not pay numpy's import (about a sixth of a worker's start-up) to have one.
+    """
+    import numpy as np
+
+    return np.frombuffer(view, np.uint8)
