@@ -605,14 +605,16 @@ def zmq_chain(cfg: Config) -> dict[str, Any]:
 
 
 def import_startup(cfg: Config) -> dict[str, Any]:
-    """A start-up floor: one fresh interpreter importing the worker's entry point."""
+    """A start-up floor: one fresh interpreter loading the worker's entry point as a
+    launched worker does (``python -m pipeline worker``), asked only for its help."""
     times = []
     for _ in range(cfg.startup_probes):
         t0 = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-c", "import pipeline._worker"],
+            [sys.executable, "-m", "pipeline", "worker", "--help"],
             check=True,
             cwd=ROOT,
+            stdout=subprocess.DEVNULL,
             timeout=cfg.step_timeout_s,
         )
         times.append(time.perf_counter() - t0)
