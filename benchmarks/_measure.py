@@ -6,9 +6,21 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ("PhaseLog", "cpu_seconds", "hop_p50s", "median")
+if TYPE_CHECKING:
+    import argparse
+
+    from pipeline._cpu_idle import CpuIdle
+
+__all__ = (
+    "PhaseLog",
+    "add_cpu_idle_option",
+    "cpu_seconds",
+    "hold_cpu_idle_for_run",
+    "hop_p50s",
+    "median",
+)
 
 
 def median(xs: list[float]) -> float:
@@ -49,3 +61,24 @@ def hop_p50s(stats: dict[str, Any]) -> dict[str, float]:
         for i in r["inputs"]:
             out[i["edge"]] = i["hop_p50_us"]
     return out
+
+
+def add_cpu_idle_option(parser: argparse.ArgumentParser, measured: str) -> None:
+    """The ``--cpu-idle default|poll`` option of a benchmark; ``measured`` names what else
+    runs in that state (poll is held by the benchmark's own process for the whole run)."""
+    parser.add_argument(
+        "--cpu-idle",
+        choices=("default", "poll"),
+        default="default",
+        help="the pipelines' defaults.cpu_idle; poll is held by this process too, for the "
+        f"whole run ({measured} then runs with idle CPUs polling: needs root)",
+    )
+
+
+def hold_cpu_idle_for_run(policy: CpuIdle) -> None:
+    """Hold ``policy`` in this process until it exits; exits saying so if refused, since
+    a run half in one state and half in the other compares nothing."""
+    from pipeline._cpu_idle import hold_cpu_idle
+
+    if policy != "default" and hold_cpu_idle(policy) is None:
+        sys.exit(f"--cpu-idle {policy}: the PM QoS device refused it (see the warning)")

@@ -68,11 +68,18 @@ if str(ROOT) not in sys.path:
 
 import zmq  # noqa: E402
 
-from benchmarks._measure import PhaseLog, cpu_seconds, hop_p50s, median  # noqa: E402
+from benchmarks._measure import (  # noqa: E402
+    PhaseLog,
+    add_cpu_idle_option,
+    cpu_seconds,
+    hold_cpu_idle_for_run,
+    hop_p50s,
+    median,
+)
 from benchmarks.bench_stages import Blob, Counted, Start  # noqa: E402
 from benchmarks.wake_cost import measure as wake_cost  # noqa: E402
 from pipeline import Pipeline  # noqa: E402
-from pipeline._cpu_idle import CpuIdle, hold_cpu_idle  # noqa: E402
+from pipeline._cpu_idle import CpuIdle  # noqa: E402
 from pipeline._reorder import ReorderBuffer  # noqa: E402
 
 KIB = 1024
@@ -1199,19 +1206,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also stream with credit window W, to see how much the window limits "
         "throughput (default: 1024 in full mode, off with --quick; 0 turns it off)",
     )
-    p.add_argument(
-        "--cpu-idle",
-        choices=("default", "poll"),
-        default="default",
-        help="the pipelines' defaults.cpu_idle; poll is held by this process too, for the "
-        "whole run (every baseline then runs with idle CPUs polling: needs root)",
-    )
+    add_cpu_idle_option(p, "every baseline")
     args = p.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so every finally block stops what this run started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = replace(QUICK if args.quick else FULL, cpu_idle=args.cpu_idle)
-    if cfg.cpu_idle != "default" and hold_cpu_idle(cfg.cpu_idle) is None:
-        sys.exit(f"--cpu-idle {cfg.cpu_idle}: the PM QoS device refused it (see the warning)")
+    hold_cpu_idle_for_run(cfg.cpu_idle)
     json_out = os.path.abspath(args.json) if args.json else None
     os.chdir(ROOT)  # workers resolve "benchmarks.bench_stages" from the working directory
     t_start = time.perf_counter()

@@ -94,9 +94,16 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks._measure import PhaseLog, cpu_seconds, hop_p50s, median  # noqa: E402
+from benchmarks._measure import (  # noqa: E402
+    PhaseLog,
+    add_cpu_idle_option,
+    cpu_seconds,
+    hold_cpu_idle_for_run,
+    hop_p50s,
+    median,
+)
 from pipeline import Pipeline, PipelineSpec  # noqa: E402
-from pipeline._cpu_idle import CpuIdle, hold_cpu_idle  # noqa: E402
+from pipeline._cpu_idle import CpuIdle  # noqa: E402
 from stages.payloads import DecodeChunk, VLMRequest  # noqa: E402
 from stages.samples import sample_requests  # noqa: E402
 
@@ -1102,13 +1109,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the decode stage's chunk_tokens instead of the config's (the most tokens per "
         "streamed chunk: fewer chunks, fewer wake-ups of the client)",
     )
-    p.add_argument(
-        "--cpu-idle",
-        choices=("default", "poll"),
-        default="default",
-        help="the pipeline's defaults.cpu_idle; poll is held by this process too, for the "
-        "whole run (the monolithic side then runs with idle CPUs polling: needs root)",
-    )
+    add_cpu_idle_option(p, "the monolithic side")
     p.add_argument("--mono-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mono_child:
@@ -1117,8 +1118,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
     cfg = replace(QUICK if args.quick else FULL, cpu_idle=args.cpu_idle)
-    if cfg.cpu_idle != "default" and hold_cpu_idle(cfg.cpu_idle) is None:
-        sys.exit(f"--cpu-idle {cfg.cpu_idle}: the PM QoS device refused it (see the warning)")
+    hold_cpu_idle_for_run(cfg.cpu_idle)
     json_out = os.path.abspath(args.json) if args.json else None
     os.chdir(ROOT)  # workers resolve "stages.*" from the working directory
     t_start = time.perf_counter()

@@ -537,8 +537,7 @@ class _Worker:
             plan = build_plan(spec).stages[self.stage]
             # Before setup, so that the threads it starts (torch's) inherit the policy.
             apply_scheduling(plan.spec.scheduling)
-            if self._cpu_idle_fd is None:  # held once, for the process's life
-                self._cpu_idle_fd = hold_cpu_idle(spec.defaults.cpu_idle)
+            self._cpu_idle_fd = hold_cpu_idle(spec.defaults.cpu_idle)  # for the process's life
             check_device(plan.spec.device, self.stage)
             instance = plan.signature.cls(
                 params=plan.params, name=self.stage, replica=self.replica, device=plan.spec.device
