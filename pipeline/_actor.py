@@ -965,6 +965,18 @@ class StageActor:
             log.warning(
                 "failure_unreported", stage=self.stage, request_id=rid, error=repr(report_exc)
             )
+            # Or the report itself could not be encoded: the request must fail all the same,
+            # or its client waits for ever. Its stand-in says only what is safe to send.
+            with contextlib.suppress(Exception):
+                self._report_failure(
+                    FailureInfo(
+                        "stage",
+                        f"{type(exc).__name__} (its report could not be sent: "
+                        f"{type(report_exc).__name__})",
+                        rid,
+                        self.stage,
+                    )
+                )
         self.forget(rid, exc)
 
     def _explain_gap(self, req: _Request, gap: ChunkGap) -> ChunkGap:

@@ -133,6 +133,23 @@ def _field_names(tp: Any) -> set[str] | None:
     return set(tp.__struct_encode_fields__) | ({tag_field} if tag_field else set())
 
 
+#: What a JSON input nested deeper than the decoder goes is told.
+_TOO_DEEP = "JSON nested too deeply to decode (give a flatter input)"
+
+
+def _json_input(where: str, text: str) -> bytes:
+    """``text`` (``--input``, or a line of ``--input-file``) as the UTF-8 its JSON is.
+
+    Raises:
+        _Fail: ``text`` holds bytes that are not UTF-8 (an argument's own undecodable
+            bytes, which Python keeps as lone surrogates), exit code 2.
+    """
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        raise _Fail(f"{where}: not UTF-8 text (character {exc.start + 1})", EXIT_CONFIG) from None
+
+
 def _refuse_unknown_fields(
     where: str, line: str | bytes, name: str, known: set[str] | None
 ) -> None:
@@ -144,7 +161,10 @@ def _refuse_unknown_fields(
     """
     if known is None:
         return
-    given = msgspec.json.decode(line)
+    try:
+        given = msgspec.json.decode(line)
+    except RecursionError:
+        raise _Fail(f"{where}: {_TOO_DEEP}", EXIT_CONFIG) from None
     unknown = sorted(set(given) - known) if isinstance(given, dict) else []
     if unknown:
         raise _Fail(
@@ -192,11 +212,14 @@ def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
     name = getattr(tp, "__name__", str(tp))
     known = _field_names(tp)
     for where, line in lines:
+        data = _json_input(where, line)
         try:
-            values.append(msgspec.json.decode(line, type=tp))
+            values.append(msgspec.json.decode(data, type=tp))
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise _Fail(f"{where}: not a valid {name}: {exc}", EXIT_CONFIG) from exc
-        _refuse_unknown_fields(where, line, name, known)
+        except RecursionError:
+            raise _Fail(f"{where}: {_TOO_DEEP}", EXIT_CONFIG) from None
+        _refuse_unknown_fields(where, data, name, known)
     if not values:
         raise _Fail(f"{args.input_file}: no inputs", EXIT_CONFIG)
     return values
@@ -417,7 +440,8 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]failed[/red] {escape(_one_line(line))}", soft_wrap=True)
     for text in tracebacks:
         console.print(f"stage traceback:\n{text}", highlight=False, markup=False)
-    return EXIT_FAILED if failures else 0
+    # Outputs asked for and not written (a full disk) are a failure too, not a quiet 0.
+    return EXIT_FAILED if failures or stdout.lost else 0
 
 
 def _progress_line(progress: Progress, task: TaskID, total: int) -> str:
@@ -455,11 +479,14 @@ async def _progress_lines(
 class _Stdout:
     """Standard output for a command's results. Once its reader has gone (``| head``) the
     rest is dropped quietly; once it cannot be written otherwise (a full disk, closed) that
-    is said once on the console; either way the command goes on, its figures on stderr."""
+    is said once on the console, and the command's exit status says so (``lost``); either
+    way the command goes on, its figures on stderr."""
 
     def __init__(self, console: Console) -> None:
         self._console = console
         self.dead = False
+        #: Outputs were lost: stdout failed otherwise than by its reader going away.
+        self.lost = False
 
     def write(self, text: str, *, flush: bool = True) -> None:
         if self.dead:
@@ -474,7 +501,7 @@ class _Stdout:
             self.dead = True
             _quiet_stdout()
         except OSError as exc:
-            self.dead = True
+            self.dead = self.lost = True
             self._console.print(f"[yellow]cannot write the outputs:[/yellow] {escape(str(exc))}")
 
 
@@ -590,10 +617,13 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
             resolve_device(args.device)
         except ConfigError as exc:
             raise _Fail(f"--device: {exc}", EXIT_CONFIG) from None
+    data = _json_input("--input", args.input)
     try:
-        value = msgspec.json.decode(args.input)
+        value = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
         raise _Fail(f"--input is not JSON: {exc}", EXIT_CONFIG) from None
+    except RecursionError:
+        raise _Fail(f"--input: {_TOO_DEEP}", EXIT_CONFIG) from None
     keys = _keys_or_fail(args.keys)
     loop = asyncio.get_running_loop()
     reading = asyncio.current_task()
@@ -620,7 +650,7 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
             async with asyncio.timeout_at(deadline):
                 if pipe.source_type is not Any:
                     try:
-                        value = msgspec.json.decode(args.input, type=pipe.source_type)
+                        value = msgspec.json.decode(data, type=pipe.source_type)
                     except msgspec.ValidationError as exc:
                         # The user's own input, refused before it is sent: exit code 2.
                         name = getattr(pipe.source_type, "__name__", "the source's type")
@@ -629,7 +659,7 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
                         ) from None
                     name = getattr(pipe.source_type, "__name__", "the source's type")
                     known = _field_names(pipe.source_type)
-                    _refuse_unknown_fields("--input", args.input, name, known)
+                    _refuse_unknown_fields("--input", data, name, known)
                 async with pipe.stream(value) as stream:
                     started = True
                     async for chunk in stream:
@@ -903,6 +933,7 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline._worker import main as worker_main
 
         return worker_main(worker)
+    _stderr_or_devnull()
     terminated = _on_sigterm_interrupt()
     try:
         return _main(argv)
@@ -943,6 +974,22 @@ def _interrupted(terminated: list[bool]) -> int:
         sys.stderr.write("terminated\n" if terminated[0] else "interrupted\n")
         sys.stderr.flush()
     return EXIT_TERMINATED if terminated[0] else EXIT_INTERRUPTED
+
+
+def _stderr_or_devnull() -> None:
+    """Give a command started with its stderr closed (``2>&-``) one that goes nowhere, for
+    itself and the workers it starts: its console and its log write there, and would fail
+    the command before it did anything, its outputs lost and its exit status wrong."""
+    if sys.stderr is not None:
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(os.devnull, os.O_WRONLY)
+        if fd != 2:
+            os.dup2(fd, 2)  # (inheritable)
+            os.close(fd)
+        else:
+            os.set_inheritable(2, True)  # the workers' stderr too
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - for the process's life
 
 
 def _quiet_stdout() -> None:

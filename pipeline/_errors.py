@@ -48,6 +48,7 @@ __all__ = (
     "error_to_failure",
     "failure_to_error",
     "message_of",
+    "wire_text",
 )
 
 
@@ -252,9 +253,24 @@ def message_of(exc: BaseException) -> str:
 
 
 def bounded(text: str) -> str:
-    """``text``'s first :data:`MESSAGE_CHARS` characters, saying how many more it had."""
+    """``text``'s first :data:`MESSAGE_CHARS` characters, saying how many more it had, as
+    the wire can carry them (:func:`wire_text`)."""
     if len(text) > MESSAGE_CHARS:
         text = f"{text[:MESSAGE_CHARS]}... ({len(text) - MESSAGE_CHARS} more characters)"
+    return wire_text(text)
+
+
+def wire_text(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a lone surrogate, which is what ``os.fsdecode`` and
+    ``os.listdir`` make of a file name that is not UTF-8, becomes its escape (``\\udce9``).
+
+    A message is encoded as UTF-8, and a lone surrogate has no UTF-8 form: a stage's
+    error naming such a file could not be reported, and its request waited for ever.
+    """
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
     return text
 
 
@@ -288,21 +304,24 @@ def describe_failure(exc: PipelineError) -> FailureInfo | None:
     match exc:
         case StageError():
             return FailureInfo(
-                "stage", exc.message, exc.request_id, exc.stage, traceback=exc.traceback
-            )
+                "stage", wire_text(exc.message), exc.request_id, exc.stage,
+                traceback=wire_text(exc.traceback),
+            )  # fmt: skip
         case StageUnavailable():
-            return FailureInfo("unavailable", exc.message, exc.request_id or "", exc.stage)
+            return FailureInfo(
+                "unavailable", wire_text(exc.message), exc.request_id or "", exc.stage
+            )
         case ChunkGap():
             return FailureInfo(
-                "chunk_gap", str(exc), exc.request_id, edge=exc.edge, seq=exc.seq,
+                "chunk_gap", wire_text(str(exc)), exc.request_id, edge=exc.edge, seq=exc.seq,
                 timeout=exc.timeout,
             )  # fmt: skip
         case PayloadError():
-            return FailureInfo("payload", exc.message, field=exc.field or "")
+            return FailureInfo("payload", wire_text(exc.message), field=exc.field or "")
         case TransportError():
-            return FailureInfo("transport", str(exc))
+            return FailureInfo("transport", wire_text(str(exc)))
         case RequestAborted():
-            return FailureInfo("aborted", exc.reason, exc.request_id)
+            return FailureInfo("aborted", wire_text(exc.reason), exc.request_id)
         case RequestTimeout():
             return FailureInfo("timeout", str(exc), exc.request_id, timeout=exc.timeout)
     return None
@@ -318,7 +337,7 @@ def format_traceback(exc: BaseException) -> str:
     text = "".join(_traceback.format_exception(exc, limit=-TRACEBACK_FRAMES))
     if len(text) > TRACEBACK_CHARS:
         text = "...\n" + text[-TRACEBACK_CHARS:]
-    return text
+    return wire_text(text)
 
 
 def failure_to_error(info: FailureInfo) -> PipelineError:

@@ -27,6 +27,7 @@ from pipeline._config import PipelineSpec
 from pipeline._errors import PipelineError
 from pipeline._exit_codes import EXIT_REPLACED
 from pipeline._leftovers import remove_leftovers_of
+from pipeline._lifecycle import interrupts_deferred
 from pipeline._security import KEYS_ENV, CurveKeys
 from transports._liveness import pid_alive
 
@@ -332,11 +333,18 @@ class LocalLauncher:
         cancelled, or its event loop has closed: ``loop_closed``, when nothing else will
         reap them or close their transports).
 
+        Each worker is signalled through its pidfd, which names that process and no other,
+        even if its pid was reused (one without a pidfd by its pid, only while it is a child
+        not yet reaped).
+
         Raises:
-            Nothing: each worker is signalled through its pidfd, which names that process
-            and no other, even if its pid was reused (one without a pidfd by its pid, only
-            while it is a child not yet reaped).
+            KeyboardInterrupt: one that came meanwhile (a second Ctrl-C), held back until
+                all of this was done.
         """
+        with interrupts_deferred():
+            self._kill_now(loop_closed)
+
+    def _kill_now(self, loop_closed: bool) -> None:
         self._closing = True
         victims: dict[int, int] = {}
         for pid, fd in self._pidfds.items():

@@ -18,10 +18,13 @@ returning) with the object still open, in a process that lives on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import FrameType
 
-__all__ = ("LoopBound", "LoopWatch")
+__all__ = ("LoopBound", "LoopWatch", "interrupts_deferred")
 
 
 class LoopBound:
@@ -81,6 +84,10 @@ class LoopBound:
         task = self._closing
         if task is None:
             task = self._closing = loop.create_task(self._close())
+            # A KeyboardInterrupt (a second Ctrl-C) raised in the close leaves the loop with
+            # it, and the task keeps it too: asyncio would print it again, as a traceback,
+            # when the task is collected ("exception was never retrieved").
+            task.add_done_callback(_retrieve)
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -131,3 +138,43 @@ class LoopWatch:
     def stop(self) -> None:
         """Stop watching (the thread ends within ``interval``); idempotent."""
         self._stopped.set()
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT's handler back while the body runs, and run it afterwards.
+
+    Cleanup that must finish (killing workers, unlinking the shared memory they leave) is
+    not cut off half way by the KeyboardInterrupt that a second Ctrl-C raises (asyncio's
+    handler, or Python's own), which would leave segments behind. Only in the main thread,
+    the one that runs such handlers; elsewhere the body just runs.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[FrameType | None] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        came.append(frame)
+
+    try:
+        before = signal.signal(signal.SIGINT, hold)
+    except (ValueError, OSError):  # no signals here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if came:
+            if callable(before):
+                # (asyncio's loop handler is a no-op here: its loop hears of the signal
+                # through its own wake-up descriptor, which the signal reached anyway.)
+                before(signal.SIGINT, came[-1])
+            elif before == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)

@@ -35,6 +35,7 @@ from pipeline._errors import (
     RequestTimeout,
     StageUnavailable,
     TransportError,
+    wire_text,
 )
 from pipeline._keys import CLIENT
 from pipeline._messages import (
@@ -528,7 +529,7 @@ class Orchestrator:
         req.error = exc
         self._finish(rid, exc)
         self.counts[outcome] += 1
-        abort = Abort(rid, str(exc), self._token)
+        abort = Abort(rid, wire_text(str(exc)), self._token)
         for stage, k in req.route.items():
             self._send_control(stage, k, abort)
 

@@ -159,12 +159,20 @@ def inspect_stage(cls: type[Stage], stage: str) -> StageSignature:
     """Read the inputs and output of ``cls.process``.
 
     Raises:
-        ConfigError: ``process`` is not async, lacks annotations, or mixes input kinds.
+        ConfigError: ``process``, ``setup`` or ``teardown`` is not async, ``process`` lacks
+            annotations, or mixes input kinds.
     """
     path = f"stages.{stage}"
     process = cls.process  # type: ignore[attr-defined]  # checked by load_stage_class
     if not (inspect.iscoroutinefunction(process) or inspect.isasyncgenfunction(process)):
         raise ConfigError(f"{cls.__name__}.process must be 'async def'", path=path)
+    for hook in ("setup", "teardown"):
+        # Awaited by the worker: a plain def would fail its start-up (or its shutdown) with
+        # a TypeError about awaiting None, long after this check could have said so.
+        if not inspect.iscoroutinefunction(getattr(cls, hook)):
+            raise ConfigError(
+                f"{cls.__name__}.{hook} must be 'async def {hook}(self) -> None'", path=path
+            )
     try:
         hints = typing.get_type_hints(process)
     except Exception as exc:

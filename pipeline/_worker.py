@@ -543,7 +543,14 @@ class _Worker:
                 params=plan.params, name=self.stage, replica=self.replica, device=plan.spec.device
             )
             await instance.setup()
-        except Exception as exc:
+        # sys.exit() in a setup is its failure too ("model file not found"), said as such,
+        # and so is a KeyboardInterrupt of its own in a launched worker (which ignores
+        # Ctrl-C: its master stops it); one started by hand was interrupted.
+        except (Exception, SystemExit) as exc:
+            return self._setup_failed(exc)
+        except KeyboardInterrupt as exc:
+            if not self.launched:
+                raise
             return self._setup_failed(exc)
         actor = StageActor(
             plan,
@@ -715,7 +722,7 @@ class _Worker:
         self.rejoining = False
         self.stop.set()
 
-    def _setup_failed(self, exc: Exception) -> int:
+    def _setup_failed(self, exc: BaseException) -> int:
         """Tell the master why this replica cannot serve; the exit code that says so."""
         message = f"{type(exc).__name__}: {message_of(exc)}"
         trace = format_traceback(exc)

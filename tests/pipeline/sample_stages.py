@@ -220,6 +220,9 @@ class Misbehaves(Stage):
                 raise ValueError("x" * 70_000_000)
             case "huge transport error":
                 raise TransportError("x" * 70_000_000)
+            case "file name not utf-8":
+                # What os.listdir makes of a name that is not UTF-8: a lone surrogate.
+                raise FileNotFoundError(f"no file {os.fsdecode(b'caf' + bytes([0xE9]))}")
             case "another pipeline's gap":
                 raise ChunkGap("a-request-of-another-pipeline", "x->y", 3, 1.0)
             case "another pipeline's stage":
@@ -626,6 +629,20 @@ class SlowTeardown(Echo):
     async def teardown(self) -> None:
         Path(os.environ["HOLD_MARK"]).touch()  # noqa: ASYNC240
         await _line_through_fifo()
+
+
+class ExitsInSetup(Echo):
+    """An echo whose setup calls sys.exit with a reason, as a script's loading code may."""
+
+    async def setup(self) -> None:
+        raise SystemExit("model file weights.bin not found")
+
+
+class SetupErrorNotUtf8(Echo):
+    """An echo whose setup fails naming a file whose name is not UTF-8."""
+
+    async def setup(self) -> None:
+        raise OSError(f"cannot load {os.fsdecode(b'caf' + bytes([0xE9]))}")
 
 
 class HugeSetupError(Echo):

@@ -69,7 +69,8 @@ def test_run_shows_the_first_outputs_and_counts_the_rest_and_survives_a_full_std
 ) -> None:
     """Off ``--print-outputs`` only the three outputs of the lowest request numbers are
     kept (every output was held in memory until the end); a stdout that cannot be written
-    (a full disk) is one line, not a traceback that lost the tables; a failure is one line
+    (a full disk) is one line, not a traceback that lost the tables, and exit status 1
+    (it was 0, the outputs lost without a trace in the status); a failure is one line
     however long its message."""
     cfg = tmp_path / "p.yaml"
     cfg.write_text("stages:\n  e: {impl: 'tests.pipeline.sample_stages:Echo'}\n")
@@ -84,7 +85,9 @@ def test_run_shows_the_first_outputs_and_counts_the_rest_and_survives_a_full_std
             [sys.executable, "-m", "pipeline", "run", str(cfg), "--input-file", str(inputs)],
             stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, check=False,
         )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    # Its outputs are lost: exit status 1, not 0 (a reader that went away, ``| head``, is
+    # another matter: see below).
+    assert done.returncode == 1, done.stderr
     assert "cannot write the outputs: [Errno 28] No space left on device" in done.stderr
     assert "Traceback" not in done.stderr and "30/30 requests ok" in done.stderr
     boom = _run("run", str(cfg), "--input", '{"value": "boom' + "x" * 300 + '"}')
@@ -253,10 +256,20 @@ def test_bad_arguments_are_one_line_errors_not_tracebacks(tmp_path: Path) -> Non
     endpoint. (Each used to end in a traceback, some only after the pipeline started.)"""
     binary = tmp_path / "inputs.jsonl"
     binary.write_bytes(b"\xff\xfe not json")
+    not_utf8 = os.fsdecode(b'{"value": "caf' + bytes([0xE9]) + b'"}')
+    deep = '{"value": "a", "x": ' + "[" * 5000 + "]" * 5000 + "}"
     cases = [
         (("run", "configs/demo.yaml", "--input", '{"value": "a"}', "--requests", "-1"),
          "--requests: -1 is below 0"),
         (("run", "configs/demo.yaml", "--input-file", str(binary)), "not UTF-8 text"),
+        # Bytes that are not UTF-8 in the argument itself, and JSON nested past what the
+        # decoder goes (both ended in tracebacks, exit status 1).
+        (("run", "configs/demo.yaml", "--input", not_utf8), "--input: not UTF-8 text"),
+        (("submit", "--master", "tcp://127.0.0.1:9", "--input", not_utf8),
+         "--input: not UTF-8 text"),
+        (("run", "configs/demo.yaml", "--input", deep), "--input: JSON nested too deeply"),
+        (("submit", "--master", "tcp://127.0.0.1:9", "--input", deep),
+         "--input: JSON nested too deeply"),
         # A misspelt field was dropped without a word (an optional one kept its default).
         (("run", "configs/demo.yaml", "--input", '{"value": "a", "valeu": "b"}'),
          "--input: Text has no field 'valeu' (its fields: value)"),
@@ -273,6 +286,24 @@ def test_bad_arguments_are_one_line_errors_not_tracebacks(tmp_path: Path) -> Non
         assert done.returncode == 2, (args, done.stderr)
         assert expected in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr, (args, done.stderr)
+
+
+def test_a_run_with_its_stderr_closed_writes_its_outputs(tmp_path: Path) -> None:
+    """A command started with its stderr closed (``2>&-``) runs, its workers too, and
+    writes its outputs; a bad config is still exit status 2. (Both ended at once with exit
+    status 1 and nothing written: the console and the log found no stderr.)"""
+    closed = ["sh", "-c", 'exec "$@" 2>&-', "sh", sys.executable, "-m", "pipeline"]
+    done = subprocess.run(
+        [*closed, "run", "configs/demo.yaml", "--input", '{"value": "a b"}'],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (0, '0: {"value":"A B"}\n'), done
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages: {a: {impl: 'stages.text:Split', nope: 1}}\n")
+    refused = subprocess.run(
+        [*closed, "validate", str(bad)], capture_output=True, timeout=60, check=False
+    )
+    assert refused.returncode == 2, refused
 
 
 def test_debug_flag_reaches_the_worker_command() -> None:

@@ -75,6 +75,7 @@ async def test_stage_exception_fails_only_that_request(chain: Pipeline) -> None:
         ("sys.exit", "SystemExit: 3", 4),  # from process_batch
         ("base exception", "_LibraryAbort: aborted by the library", 1),
         ("base exception", "_LibraryAbort: aborted by the library", 4),
+        ("file name not utf-8", "FileNotFoundError: no file caf\\udce9", 1),
     ],
     ids=[
         "exit",
@@ -87,6 +88,7 @@ async def test_stage_exception_fails_only_that_request(chain: Pipeline) -> None:
         "batch exit",
         "base exception",
         "batch base exception",
+        "not utf-8",
     ],
 )
 async def test_whatever_a_handler_raises_fails_that_request_alone(
@@ -94,7 +96,8 @@ async def test_whatever_a_handler_raises_fails_that_request_alone(
 ) -> None:
     """Each of these ended worse: sys.exit() in a handler (or in process_batch) ended its
     worker, failing every request of the replica (and, after three restarts, the stage
-    for good); an exception whose message cannot be made, or a ChunkGap from a pipeline
+    for good); an exception whose message cannot be made (or cannot be encoded: a lone
+    surrogate, as a file name that is not UTF-8 gives), or a ChunkGap from a pipeline
     the handler calls, or a library's own BaseException, killed the handler's task (or the
     batcher's) unreported, and the request hung; another
     pipeline's StageUnavailable blamed a stage of that pipeline; a message of tens of MB
@@ -130,6 +133,44 @@ async def test_a_huge_message_of_any_kind_is_cut_and_its_request_fails_at_once()
         async with Pipeline(spec({"n": ":HugeSetupError"}, [])):
             pass
     assert len(str(failed.value)) < 9000
+
+
+@pytest.mark.parametrize(
+    ("stage", "said"),
+    [
+        (":ExitsInSetup", "SystemExit: model file weights.bin not found"),
+        (":SetupErrorNotUtf8", "OSError: cannot load caf\\udce9"),
+    ],
+    ids=["sys.exit", "not utf-8"],
+)
+async def test_a_setup_that_fails_oddly_says_why(stage: str, said: str) -> None:
+    """sys.exit() in a setup is its failure, said with its reason; so is an error naming a
+    file whose name is not UTF-8. (The first ended the worker with code 1, start-up saying
+    only that; the second crashed the worker as it reported the error, its reason lost.)"""
+    with pytest.raises(PipelineError) as failed:
+        async with Pipeline(spec({"n": stage}, [])):
+            pass
+    assert said in str(failed.value), str(failed.value)
+
+
+async def test_an_abort_whose_reason_is_not_utf8_aborts_the_request_everywhere() -> None:
+    """A reason with a lone surrogate (a client's name decoded from bytes) aborts the
+    request in its stage too. (abort() raised UnicodeEncodeError, the client having
+    dropped the request already, and the stage ran it on to its end.)"""
+    async with Pipeline(spec({"tok": ":Tokens", "relay": ":Relay"}, [("tok", "relay")])) as pipe:
+        stream = pipe.stream(Text("one stall"))
+        await stream.start()
+        reason = f"client {os.fsdecode(b'caf' + bytes([0xE9]))} went away"
+        assert await pipe.abort(stream.request_id, reason) is True
+
+        async def nothing_active() -> bool:
+            stats = await pipe.statistics()
+            return all(r["active"] == 0 for r in stats["replicas"])
+
+        await wait_for(nothing_active, timeout=10)
+        with pytest.raises(RequestAborted, match="went away"):
+            async for _ in stream:
+                pass
 
 
 async def test_a_stage_error_carries_the_handlers_traceback(chain: Pipeline) -> None:

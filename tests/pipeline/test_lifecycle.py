@@ -8,11 +8,12 @@ import asyncio
 import contextlib
 import errno
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,9 +21,13 @@ import pytest
 import zmq
 
 from pipeline import Pipeline, PipelineError, StageUnavailable
+from pipeline import _launcher as launcher_module
+from pipeline._lifecycle import interrupts_deferred
 from stages.text import Text, Token
 from tests.pipeline.conftest import spec, wait_for
 from tests.procs import alive, wait_exited
+from transports._shm_segment import _pid_of, list_segments
+from transports.shm import remove_segments_of
 
 T = TypeVar("T")
 
@@ -173,6 +178,71 @@ def test_a_close_cancelled_while_the_master_closes_kills_the_workers_at_once() -
     assert inside == [True], "the close was not inside the master's close when cancelled"
     assert pids and wait_exited(pids, 5)
     assert took < 3.0, f"the cancelled close went on for {took:.1f}s"
+
+
+def _segments_of(pids: list[int]) -> list[str]:
+    return [name for name in list_segments() if _pid_of(name) in pids]
+
+
+def test_a_ctrl_c_while_the_workers_are_killed_waits_until_their_memory_is_gone() -> None:
+    """A Ctrl-C that lands while a close that cannot wait kills the workers and unlinks
+    the shared memory they leave (a third Ctrl-C in a row: the second cut the close short)
+    raises its KeyboardInterrupt once that is done. (It cut the unlinking off: a killed
+    worker's segment stayed in /dev/shm until a later stagewire process swept it.)"""
+    pipe = Pipeline(
+        spec({"tok": ":Tokens", "relay": ":Relay"}, [("tok", "relay")], transport="shm")
+    )
+    pids: list[int] = []
+    unlink = launcher_module.remove_leftovers_of
+
+    def interrupted_first(dead: Iterable[int]) -> None:
+        signal.raise_signal(signal.SIGINT)  # the Ctrl-C lands here
+        unlink(dead)
+
+    async def main() -> None:
+        await pipe.start()
+        pids.extend(pipe.worker_pids.values())
+        assert _segments_of(pids), "the pinned shm edge took no segment at start-up"
+        launcher = pipe._launcher
+        assert launcher is not None
+        # What a Ctrl-C does once asyncio's handler has cancelled the run: raise at once.
+        before = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(launcher_module, "remove_leftovers_of", interrupted_first)
+                with pytest.raises(KeyboardInterrupt):
+                    launcher.kill_now()
+        finally:
+            signal.signal(signal.SIGINT, before)
+        # Before the pipeline's own close, which would unlink them anyway.
+        left = _segments_of(pids)
+        await pipe.aclose()
+        assert not left
+
+    try:
+        asyncio.run(main())
+        assert wait_exited(pids, 5)
+    finally:
+        remove_segments_of([p for p in pids if not alive(p)])
+
+
+def test_interrupts_deferred_holds_a_ctrl_c_until_the_body_is_done() -> None:
+    """The KeyboardInterrupt of a Ctrl-C inside the body comes after the body, once; none
+    comes without one, and the handler before is back afterwards."""
+    done: list[str] = []
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_deferred():  # noqa: PT012
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            done.append("body")
+        assert done == ["body"]
+        with interrupts_deferred():
+            done.append("quiet")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert done == ["body", "quiet"]
 
 
 async def test_starting_a_pipeline_that_is_closing_says_so() -> None:

@@ -32,6 +32,26 @@ class SyncProcess(Stage):
         return text
 
 
+class SyncSetup(Stage):
+    """Defines setup without async (the worker awaited its None, and failed to start)."""
+
+    def setup(self) -> None:  # type: ignore[override]
+        pass
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        return text
+
+
+class SyncTeardown(SyncSetup):
+    """Defines teardown without async (its worker logged a TypeError at shutdown)."""
+
+    async def setup(self) -> None:
+        pass
+
+    def teardown(self) -> None:  # type: ignore[override]
+        pass
+
+
 class NoCtx(Stage):
     """Leaves out ctx."""
 
@@ -162,6 +182,8 @@ def _build(stages: dict[str, str], edges: list[tuple[str, str]], **kw: object) -
     [
         ("tests.pipeline.test_plan:NoProcess", "has no process"),
         ("tests.pipeline.test_plan:SyncProcess", "must be 'async def'"),
+        ("tests.pipeline.test_plan:SyncSetup", "SyncSetup.setup must be 'async def setup"),
+        ("tests.pipeline.test_plan:SyncTeardown", "teardown must be 'async def teardown"),
         ("tests.pipeline.test_plan:NoCtx", "ctx: Context"),
         ("tests.pipeline.test_plan:Unannotated", "'text' has no type annotation"),
         ("tests.pipeline.test_plan:NoReturn", "no return annotation"),
