@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import math
+import numbers
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from pipeline._errors import (
     TransportError,
     error_to_failure,
     message_of,
+    wire_text,
 )
 from pipeline._keys import CLIENT
 from pipeline._latency import LatencyRecorder
@@ -1199,9 +1201,9 @@ class StageActor:
         """Counters of the replica, its handler and its edges."""
         try:
             counters = {
-                str(k): v
+                wire_text(str(k)): n
                 for k, v in self.instance.statistics().items()
-                if isinstance(v, int | float)
+                if (n := _counter(v)) is not None
             }
         except Exception as exc:  # the stage's own code: report it, keep the replica's
             counters = {}
@@ -1276,3 +1278,18 @@ class StageActor:
             await out.aclose()
         for _, ch in self._inputs_by_edge.values():
             await ch.aclose()
+
+
+def _counter(value: object) -> int | float | None:
+    """A stage's counter as its statistics carry it, or None to leave it out: numbers of
+    any kind (numpy's too); an integer past 64 bits as a float (whole, it made the
+    replica's figures unsendable, and the replica was reported as not answering)."""
+    try:
+        if isinstance(value, numbers.Integral):
+            whole = int(value)
+            return whole if -(2**63) <= whole < 2**64 else float(whole)
+        if isinstance(value, numbers.Real):
+            return float(value)
+    except (OverflowError, ValueError, TypeError):
+        pass
+    return None

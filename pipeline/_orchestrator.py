@@ -689,6 +689,11 @@ class Orchestrator:
                 ch.discard(item)
             return
         file_run(req.inflows[ch.plan.src], msg, items)
+        if req.timer is not None and all(f.buffer.complete for f in req.inflows.values()):
+            # Every sink's final output is here: the request is done, however slowly its
+            # client reads on, and its deadline must not throw away what it holds.
+            req.timer.cancel()
+            req.timer = None
 
     def readers_gone(self, endpoints: set[str]) -> None:
         """Source replicas at ``endpoints`` are gone: take back what is held for them."""

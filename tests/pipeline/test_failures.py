@@ -377,6 +377,21 @@ async def test_a_join_waits_for_an_input_whose_producer_is_busy_without_a_gap() 
         await wait_for(lambda: settled(pipe))
 
 
+async def test_outputs_all_here_are_read_after_the_deadline(echo: Pipeline) -> None:
+    """A request whose every output has reached the client is done: a client that reads
+    them after ``request_timeout`` still gets them all. (The deadline failed the request
+    and threw away the outputs it held, a slow reader forwarding them getting part.)"""
+    async with echo.stream(Text("after the deadline")) as stream:
+
+        async def all_here() -> bool:
+            oldest = (await echo.statistics())["client"]["oldest"]
+            return oldest is not None and oldest["sinks"]["echo"]["final_seq"] is not None
+
+        await wait_for(all_here, timeout=10)
+        await asyncio.sleep(2.0)  # past the 1.5 s deadline: what is under test is time
+        assert [out async for out in stream] == [Text("after the deadline")]
+
+
 async def test_the_deadline_counts_the_wait_for_admission() -> None:
     """``request_timeout`` bounds the whole request, the wait for an admission slot
     (``max_inflight``) included: requests queued behind a slow one fail at their deadline,
