@@ -278,6 +278,9 @@ class Pipeline(LoopBound):
         #: Whether remote clients will be served (``stagewire master``): until then their
         #: messages wait unanswered instead of being refused.
         self._serves_clients = False
+        #: Where the launched workers' stdout goes, as a descriptor (None: this process's
+        #: stdout). ``stagewire run`` sends it to stderr: its stdout is the outputs'.
+        self._worker_stdout: int | None = None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], *, device: str | None = None) -> Pipeline:
@@ -441,6 +444,7 @@ class Pipeline(LoopBound):
                 on_given_up=given_up,
                 held_by_another=held_by_another,
                 keys=keys,
+                worker_stdout=self._worker_stdout,
             )
             # A worker declared dead for silence is ended, so that its slot is restarted.
             master.on_silent = launcher.kill_hung

@@ -280,6 +280,9 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
         _Fail: the pipeline did not start (exit code 3).
     """
     workers = sum(s.replicas for s in pipe.spec.stages.values())
+    # What a stage prints goes to stderr with the logs: stdout holds the outputs alone, so
+    # that `run ... > outputs.jsonl` is JSON lines.
+    pipe._worker_stdout = sys.stderr.fileno()
     if not args.external_workers:
         with console.status(f"starting {escape(pipe.spec.name)}: {workers} workers"):
             try:

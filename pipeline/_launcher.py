@@ -61,8 +61,11 @@ class LocalLauncher:
         on_given_up: Callable[[str, int], None] | None = None,
         held_by_another: Callable[[str, int, int], bool] | None = None,
         keys: CurveKeys | None = None,
+        worker_stdout: int | None = None,
     ) -> None:
         self._spec = spec
+        #: The descriptor the workers' stdout goes to (None: this process's stdout).
+        self._worker_stdout = worker_stdout
         #: The pipeline's CURVE pair, which every worker started here is given.
         self._keys = keys
         self._master = master
@@ -174,6 +177,7 @@ class LocalLauncher:
             "--parent-fd",
             str(self._lifeline()),
             stdin=asyncio.subprocess.DEVNULL,
+            stdout=self._worker_stdout,
             pass_fds=(self._lifeline(),),
             env=self._env(stage),
             # Its own session: a Ctrl-C at the terminal reaches only the master, which stops

@@ -631,6 +631,17 @@ class SlowTeardown(Echo):
         await _line_through_fifo()
 
 
+class Prints(Echo):
+    """An echo that prints to stdout, in setup and per request, as debugging code does."""
+
+    async def setup(self) -> None:
+        print("set up", flush=True)
+
+    async def process(self, text: Text, ctx: Context) -> Text:
+        print(f"echoing {text.value}", flush=True)
+        return text
+
+
 class ExitsInSetup(Echo):
     """An echo whose setup calls sys.exit with a reason, as a script's loading code may."""
 

@@ -306,6 +306,17 @@ def test_a_run_with_its_stderr_closed_writes_its_outputs(tmp_path: Path) -> None
     assert refused.returncode == 2, refused
 
 
+def test_what_a_stage_prints_goes_to_stderr_not_among_the_outputs(tmp_path: Path) -> None:
+    """stdout holds the outputs alone, so ``run ... > out.jsonl`` is JSON lines; what a
+    stage prints shows on stderr. (It was mixed into the outputs.)"""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("stages:\n  e: {impl: 'tests.pipeline.sample_stages:Prints'}\n")
+    done = _run("run", str(cfg), "--input", '{"value": "v"}', "--requests", "2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ['0: {"value":"v"}', '1: {"value":"v"}'], done.stdout
+    assert "set up" in done.stderr and done.stderr.count("echoing v") == 2, done.stderr
+
+
 def test_debug_flag_reaches_the_worker_command() -> None:
     """``stagewire --debug worker ...`` runs the worker (here: no master to reach, exit 4),
     not the run command's code path (which failed with an AttributeError)."""
