@@ -282,7 +282,8 @@ async def _start(pipe: Pipeline, args: argparse.Namespace, console: Console) -> 
     workers = sum(s.replicas for s in pipe.spec.stages.values())
     # What a stage prints goes to stderr with the logs: stdout holds the outputs alone, so
     # that `run ... > outputs.jsonl` is JSON lines.
-    pipe._worker_stdout = sys.stderr.fileno()
+    with contextlib.suppress(OSError, ValueError):  # (a stderr with no descriptor)
+        pipe._worker_stdout = sys.stderr.fileno()
     if not args.external_workers:
         with console.status(f"starting {escape(pipe.spec.name)}: {workers} workers"):
             try:
