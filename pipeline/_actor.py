@@ -21,6 +21,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import structlog
 
 from pipeline._batching import Batcher
@@ -969,17 +970,21 @@ class StageActor:
             )
             # Or the report itself could not be encoded: the request must fail all the same,
             # or its client waits for ever. Its stand-in says only what is safe to send.
-            with contextlib.suppress(Exception):
-                self._report_failure(
-                    FailureInfo(
-                        "stage",
-                        f"{type(exc).__name__} (its report could not be sent: "
-                        f"{type(report_exc).__name__})",
-                        rid,
-                        self.stage,
-                    )
-                )
+            if isinstance(report_exc, _UNENCODABLE):
+                self._report_standin(rid, exc, report_exc)
         self.forget(rid, exc)
+
+    def _report_standin(self, rid: str, exc: BaseException, report_exc: Exception) -> None:
+        """Report a stand-in for the failure ``exc`` of ``rid``, whose own report could not
+        be encoded (``report_exc``); nothing if that fails too."""
+        standin = FailureInfo(
+            "stage",
+            f"{type(exc).__name__} (its report could not be sent: {type(report_exc).__name__})",
+            rid,
+            self.stage,
+        )
+        with contextlib.suppress(Exception):
+            self._report_failure(standin)
 
     def _explain_gap(self, req: _Request, gap: ChunkGap) -> ChunkGap:
         """``gap``, saying so when another input of the request holds a full window unread.
@@ -1278,6 +1283,11 @@ class StageActor:
             await out.aclose()
         for _, ch in self._inputs_by_edge.values():
             await ch.aclose()
+
+
+#: What encoding a message raises when a value in it has no encoding (a lone surrogate in
+#: a text, an integer past 64 bits), as opposed to a socket that refused it.
+_UNENCODABLE = (ValueError, TypeError, OverflowError, msgspec.EncodeError)
 
 
 def _counter(value: object) -> int | float | None:

@@ -483,8 +483,9 @@ async def _progress_lines(
 class _Stdout:
     """Standard output for a command's results. Once its reader has gone (``| head``) the
     rest is dropped quietly; once it cannot be written otherwise (a full disk, closed) that
-    is said once on the console, and the command's exit status says so (``lost``); either
-    way the command goes on, its figures on stderr."""
+    is said once on the console, and, but for a stdout closed from the start, the command's
+    exit status says so (``lost``); either way the command goes on, its figures on
+    stderr."""
 
     def __init__(self, console: Console) -> None:
         self._console = console
@@ -505,7 +506,9 @@ class _Stdout:
             self.dead = True
             _quiet_stdout()
         except OSError as exc:
-            self.dead = self.lost = True
+            # Closed by whoever started the command (``>&-``) is no loss: nobody reads.
+            self.dead = True
+            self.lost = sys.stdout is not None
             self._console.print(f"[yellow]cannot write the outputs:[/yellow] {escape(str(exc))}")
 
 

@@ -82,6 +82,37 @@ async def test_a_failure_the_master_cannot_be_told_of_still_ends_the_request_her
         await actor.aclose()
 
 
+async def test_a_failure_whose_report_cannot_be_encoded_is_reported_by_a_stand_in() -> None:
+    """When the failure's report itself has no encoding (a value msgspec refuses), a
+    stand-in naming the error's type is reported, so the client's request fails instead of
+    waiting for ever; a socket that refused the report gets no second one (see above)."""
+    reported: list[FailureInfo] = []
+
+    def report(info: FailureInfo) -> None:
+        reported.append(info)
+        if len(reported) == 1:
+            raise UnicodeEncodeError("utf-8", "\udce9", 0, 1, "surrogates not allowed")
+
+    sent: list[Any] = []
+    actor, client = _echo(sent, report)
+    try:
+        actor.admit("r1", {"echo": 0})
+        assert client.try_send(
+            "r1", client.codec.encode(Text("boom")), True, SendTarget("inproc://echo", "h")
+        )
+        (run,) = sent
+        actor.on_data([encode_batch([run.seal()])])
+        await wait_for(lambda: not actor.inflight, 5)
+        assert len(reported) == 2, reported
+        assert reported[1].request_id == "r1"
+        assert (
+            reported[1].message == "ValueError (its report could not be sent: UnicodeEncodeError)"
+        )
+    finally:
+        await client.aclose()
+        await actor.aclose()
+
+
 async def test_a_message_that_readies_a_handler_runs_it_before_the_reader_returns() -> None:
     """A one-chunk request's handler completes inside the callback that filed its chunk:
     its output is queued before that callback returns, with no loop turn between."""
