@@ -388,7 +388,10 @@ async def test_outputs_all_here_are_read_after_the_deadline(echo: Pipeline) -> N
             return oldest is not None and oldest["sinks"]["echo"]["final_seq"] is not None
 
         await wait_for(all_here, timeout=10)
-        await asyncio.sleep(2.0)  # past the 1.5 s deadline: what is under test is time
+        # A request begun after it, still running at its own deadline: once that fails,
+        # the held request's deadline has passed too.
+        with pytest.raises(RequestTimeout):
+            await echo.submit(Text("sleep 3"))
         assert [out async for out in stream] == [Text("after the deadline")]
 
 
