@@ -59,6 +59,7 @@ from pipeline._messages import (
     Held,
     Peer,
     PeerTable,
+    Spill,
     decode_batch,
     encode_message,
 )
@@ -594,6 +595,10 @@ class StageActor:
                             self._end_if_unread(msg.request_id)
                 elif isinstance(msg, Held):
                     self._on_held(msg)
+                elif isinstance(msg, Spill):
+                    entry = self._inputs_by_edge.get(msg.edge)
+                    if entry is not None:
+                        entry[1].spill()
                 elif not self._token or msg.token != self._token:
                     self._garbage(1)  # a request message that is not the master's
                 elif isinstance(msg, Admit):

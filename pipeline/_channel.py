@@ -29,6 +29,14 @@ first chunk goes regardless: its handler may have started on another input and w
 this one. On such edges the consumer returns
 credit at once for the first chunk it takes, which is how the producer learns that a
 request is being read.
+
+A request being read can stop being read too: its client reads no more, or its handler
+waits to send on. Its window of chunks then waits in the consumer's reorder buffer, each
+holding its extent, and a few such requests could hold the whole arena. So a producer
+whose put finds no room sends :class:`~pipeline._messages.Spill` to the consumers it
+sent payloads to, and each copies what its buffers hold in the arena into its own memory
+and releases it (:meth:`InputChannel.spill`): the stopped requests keep their windows, as
+they would by network, and the room comes back to those being read.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from pipeline._encoded import DECODE_ERRORS, Encoded, to_host
 from pipeline._errors import (
     EndOfChannel,
     PayloadError,
+    PipelineError,
     ProducerLost,
     RequestAborted,
     StageUnavailable,
@@ -58,7 +67,7 @@ from pipeline._errors import (
 from pipeline._host import split_endpoint
 from pipeline._keys import ChunkKey
 from pipeline._latency import LatencyRecorder
-from pipeline._messages import NO_DESCRIPTOR, Chunks, ChunksOut, Credit, encode_message
+from pipeline._messages import NO_DESCRIPTOR, Chunks, ChunksOut, Credit, Spill, encode_message
 from pipeline._reorder import ReorderBuffer
 from pipeline._signature import EdgePlan
 from pipeline._sockets import SendData
@@ -71,8 +80,10 @@ from transports.inline import MAX_INLINE, InlineReceiver, InlineSender
 log = structlog.get_logger("stagewire.channel")
 
 __all__ = (
+    "COPIED",
     "LONE_WINDOWS",
     "QUEUED_SHARE",
+    "Copied",
     "Inflow",
     "InputChannel",
     "Item",
@@ -165,6 +176,18 @@ class SendTarget:
 #: ``descriptor`` is None for a chunk without payload and ``sender`` is where credit goes.
 #: A plain tuple: one is made per chunk, and a class instance cost several times more.
 Item = tuple[str, Descriptor | None, str]
+
+
+#: The transport name of an item whose payload was copied out of its transport into this
+#: process's memory (see :meth:`InputChannel.spill`); no transport can be named so.
+COPIED = "(copied)"
+
+
+class Copied(Descriptor, frozen=True, tag="copied"):
+    """A payload copied out of its transport, in place of the descriptor that named it. It
+    never travels: it lives in a consumer's reorder buffer until its handler takes it."""
+
+    encoded: Encoded
 
 
 def _decode_nothing(raw: msgspec.Raw) -> Sequence[Descriptor | None]:
@@ -519,9 +542,18 @@ class OutputChannel:
             None,
         )
         self._queued_share = 0
+        #: The shared transport's name, and the consumer endpoints it holds payloads for:
+        #: asked to copy them out when it runs out of room (see :meth:`_short_of_room`).
+        self._shared_name = ""
+        self._shared_readers: set[str] = set()
+        #: How often the shared transport ran out of room and the consumers were asked.
+        self.spill_asks = 0
         if self._shared is not None:
             share = int(self._shared.capacity * QUEUED_SHARE)
             self._queued_share = max(1, min(self._window_bytes, share))
+            self._shared_name = next(n for n, s in self._senders.items() if s is self._shared)
+            if hasattr(self._shared, "on_short"):
+                self._shared.on_short = self._short_of_room
         #: Bytes of queued requests' puts into the shared transport still under way: not yet
         #: counted there, but already promised.
         self._queued_putting = 0
@@ -700,8 +732,21 @@ class OutputChannel:
         note = self._note_reader[name]
         if note is not None:
             note(descriptor, target.endpoint, target.pid if target.host == self.host else 0)
+        if name == self._shared_name:
+            self._shared_readers.add(target.endpoint)
         self._count(name, encoded)
         self._queue(win, request_id, seq, name, descriptor, final, target.endpoint, encoded.nbytes)
+
+    def _short_of_room(self) -> None:
+        """The shared transport has no room for a put: ask every consumer it holds
+        payloads for to copy out those not yet taken, and release them
+        (:meth:`InputChannel.spill`). A request whose reader stopped (its client reads no
+        more, its handler waits to send elsewhere) then holds its window of chunks in its
+        consumer's memory, as it would by network, not in the room every request shares."""
+        self.spill_asks += 1
+        message = encode_message(Spill(self.plan.name))
+        for endpoint in self._shared_readers:
+            self._send(endpoint, message)
 
     def _queued_full(self) -> bool:
         """Whether queued requests hold their whole share of the shared transport."""
@@ -930,6 +975,7 @@ class OutputChannel:
             gone = getattr(sender, "readers_gone", None)
             if gone is not None:
                 gone(endpoints)
+        self._shared_readers -= endpoints
         for request_id, win in list(self._windows.items()):
             if win.reader in endpoints:
                 self.stop_for(request_id, win.reader)
@@ -1002,6 +1048,7 @@ class OutputChannel:
             "fallbacks": self.fallbacks,
             "unread": self.unread,
             "queued_waits": self.queued_waits,
+            "spill_asks": self.spill_asks,
             "transport": self._transports.kind,
             "used": self.used,
             "transports": {
@@ -1047,10 +1094,18 @@ class InputChannel:
         # On an edge whose transport may run out of room, the first chunk taken is credited
         # at once: it tells the producer that the request is being read, not queued (see the
         # module docstring).
-        bounded = any(_bounded(n) for n in plan.transports.names)
-        self._first_credit = 1 if bounded else self._credit_step
+        #: Transports of this edge that can run out of room: their payloads are copied out
+        #: when the producer asks (see :meth:`spill`).
+        self._bounded = frozenset(n for n in plan.transports.names if _bounded(n))
+        self._first_credit = 1 if self._bounded else self._credit_step
         #: Requests open on this edge here: one alone gets :data:`LONE_WINDOWS` windows.
-        self._open = 0
+        self._inflows: set[Inflow] = set()
+        #: The copying out under way, and whether the producer asked again meanwhile.
+        self._spilling: asyncio.Task[None] | None = None
+        self._spill_again = False
+        #: Payloads copied out of their transport at the producer's request, and bytes.
+        self.spilled = 0
+        self.spilled_bytes = 0
         self.hop = LatencyRecorder()
         self.chunks = 0
         #: Called with a request's id when its reader has got the last payload to fetch from
@@ -1118,7 +1173,6 @@ class InputChannel:
     ) -> Inflow:
         """Start receiving ``request_id`` on this edge (``time_first``: see ReorderBuffer)."""
         timeout = self.plan.chunk_timeout if chunk_timeout is None else chunk_timeout
-        self._open += 1
         inflow: Inflow
 
         def discard(item: Item) -> None:
@@ -1137,12 +1191,10 @@ class InputChannel:
                 time_first=time_first,
             ),
             self._first_credit,
-            self._closed_one,
+            lambda: self._inflows.discard(inflow),
         )
+        self._inflows.add(inflow)
         return inflow
-
-    def _closed_one(self) -> None:
-        self._open -= 1
 
     def poll(self, inflow: Inflow) -> Any:
         """The next payload if it needs no waiting, else :data:`NOT_READY`.
@@ -1158,7 +1210,7 @@ class InputChannel:
         (name, descriptor, _), final = got
         inline = self._inline
         if descriptor is None or name != "inline" or inline is None:
-            if descriptor is None:
+            if descriptor is None or name == COPIED:
                 return self._deliver(inflow, got[0], final)
             inflow.held = got  # a transport to fetch from: next() awaits it
             return NOT_READY
@@ -1190,6 +1242,8 @@ class InputChannel:
                 got = await inflow.buffer.get()
         item, final = got
         if item[1] is not None and (item[0] != "inline" or self._inline is None):
+            if item[0] == COPIED:
+                return self._deliver(inflow, item, final)
             fetching = self.fetch(item, inflow.buffer.request_id)
             inflow.fetching = (asyncio.ensure_future(fetching), item, final)
             return await self._fetched(inflow)
@@ -1241,7 +1295,7 @@ class InputChannel:
         """Count a chunk the reader has taken (its payload read, or failed), returning
         credit when it is due, and telling when every payload of the request is here."""
         inflow.taken += 1
-        if item[0] != "inline" and item[1] is not None:
+        if item[0] != "inline" and item[1] is not None and item[0] != COPIED:
             inflow.unfetched -= 1
             if not inflow.unfetched and self.on_got_all is not None and inflow.buffer.complete:
                 self.on_got_all(inflow.buffer.request_id)
@@ -1249,7 +1303,7 @@ class InputChannel:
             self._credit(inflow, item[2])
 
     def _deliver(self, inflow: Inflow, item: Item, final: bool) -> Any:
-        """An inline item's payload (or the end of the stream), returning credit."""
+        """An inline or copied item's payload (or the end of the stream), returning credit."""
         descriptor = item[1]
         if descriptor is None and final:
             raise EndOfChannel
@@ -1258,6 +1312,8 @@ class InputChannel:
                 raise PayloadError(
                     f"chunk without payload on edge {self.plan.name!r} before its end"
                 )
+            if isinstance(descriptor, Copied):
+                return self._codec.decode(descriptor.encoded)
             assert self._inline is not None
             return self._inline.read(descriptor, self._codec)  # type: ignore[arg-type]
         finally:
@@ -1267,7 +1323,7 @@ class InputChannel:
     def _credit(self, inflow: Inflow, sender: str) -> None:
         """Tell ``sender`` that every chunk taken so far may be replaced by new ones, and how
         far past them it may now go: a request alone on this edge gets several windows."""
-        window = self.plan.window * (LONE_WINDOWS if self._open == 1 else 1)
+        window = self.plan.window * (LONE_WINDOWS if len(self._inflows) == 1 else 1)
         credit = Credit(inflow.buffer.request_id, self.plan.name, inflow.taken, window=window)
         self._send(sender, encode_message(credit))
         taken = inflow.taken
@@ -1307,6 +1363,69 @@ class InputChannel:
         finally:
             await recv.release(descriptor)
 
+    def spill(self) -> None:
+        """Copy the payloads this process holds in a bounded transport (the producer's shm
+        arena) for chunks no handler has taken yet into its own memory, and release them:
+        the producer has run out of room there (its :class:`Spill`).
+
+        Chunks wait unread in a reorder buffer while their request's reader does not read:
+        its client stopped reading, its handler waits to send on, or the request is queued
+        behind others. Their extents would stay taken, and enough such requests fill the
+        arena, starving the requests being read. Copied out, they take this process's
+        memory instead, as by network: the producer's windows bound it all the same, since
+        credit goes back only as chunks are taken. The copying runs in a task; a request
+        asked meanwhile is copied once it ends. Chunks being fetched, or pinned by
+        tensors read in place, stay where they are.
+        """
+        if self._spilling is not None and not self._spilling.done():
+            self._spill_again = True
+            return
+        if not self._bounded:
+            return
+        task = self._spilling = asyncio.get_running_loop().create_task(self._spill())
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+    async def _spill(self) -> None:
+        again = True
+        while again:
+            self._spill_again = False
+            for inflow in list(self._inflows):
+                await self._spill_one(inflow)
+            again = self._spill_again
+
+    async def _spill_one(self, inflow: Inflow) -> None:
+        """Copy out what ``inflow``'s buffer holds in a bounded transport (see spill)."""
+        buffer = inflow.buffer
+        for seq, item in buffer.items():
+            name, descriptor, sender = item
+            if descriptor is None or name not in self._bounded:
+                continue
+            copied = await self._copy_out(name, descriptor)
+            if copied is None or not buffer.swap(seq, item, (COPIED, copied, sender)):
+                # Taken meanwhile (its fetch releases it), or its request ended (it was
+                # released as it was dropped): the copy is not needed.
+                continue
+            await self._receivers[name].release(descriptor)
+            self.spilled += 1
+            self.spilled_bytes += copied.encoded.nbytes
+            inflow.unfetched -= 1
+            if not inflow.unfetched and self.on_got_all is not None and buffer.complete:
+                self.on_got_all(buffer.request_id)
+
+    async def _copy_out(self, name: str, descriptor: Descriptor) -> Copied | None:
+        """The payload ``descriptor`` names, copied into this process's memory; None when
+        it cannot be got (a stale descriptor, a producer gone): its reader finds out."""
+        recv = self._receivers.get(name)
+        if recv is None:
+            return None
+        try:
+            got = await recv.get(descriptor)
+        except PipelineError:
+            return None
+        buffers = tuple(memoryview(bytearray(b)) if len(b) else b"" for b in got.buffers)
+        return Copied(Encoded(bytes(got.header), buffers))
+
     def discard(self, item: Item) -> None:
         """Release an item that will never be consumed (duplicate, aborted, late)."""
         name, descriptor, _ = item
@@ -1323,6 +1442,9 @@ class InputChannel:
             "chunks": self.chunks,
             "hop_p50_us": self.hop.percentile(50),
             "hop_p99_us": self.hop.percentile(99),
+            "spilled": self.spilled,
+            "spilled_bytes": self.spilled_bytes,
+            "open": len(self._inflows),
         }
 
     async def aclose(self) -> None:

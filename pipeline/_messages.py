@@ -48,6 +48,7 @@ __all__ = (
     "ReportAsk",
     "SetupFailed",
     "Shutdown",
+    "Spill",
     "Started",
     "StatsAnswer",
     "StatsAsk",
@@ -137,6 +138,16 @@ class Held(_Msg, frozen=True, tag="h"):
     ``ReorderBuffer.alive``), instead of failing the request with a ChunkGap."""
 
     request_id: str
+    edge: str
+
+
+class Spill(_Msg, frozen=True, tag="s"):
+    """The producer's end of ``edge`` has no room left in its shared transport (the shm
+    arena): the consumer copies the payloads it holds there for chunks its handlers have
+    not taken into its own memory, and releases them (see ``InputChannel.spill``). Without
+    this, requests whose readers stopped (a client that reads no more, a handler waiting
+    on another output) could hold the whole arena, and starve those being read."""
+
     edge: str
 
 
@@ -531,9 +542,10 @@ ControlToClient = Welcome | Started | Output | Finished | Alive | StatsAnswer
 
 # ---- what a data socket accepts -----------------------------------------------------------
 
-#: Stage to stage: chunks and credit. Master to stage: the request messages too (``Admit``,
-#: ``Abort``, ``Drop``), which the master sends on the data path so that they travel with
-#: (and before) a request's first chunks instead of racing them on another socket.
-DataMessage = Chunks | Credit | Held | Admit | Abort | Drop | Gone
+#: Stage to stage: chunks, credit and the producer's words about them (``Held``,
+#: ``Spill``). Master to stage: the request messages too (``Admit``, ``Abort``, ``Drop``),
+#: which the master sends on the data path so that they travel with (and before) a
+#: request's first chunks instead of racing them on another socket.
+DataMessage = Chunks | Credit | Held | Spill | Admit | Abort | Drop | Gone
 
 _batch_decoder = msgspec.msgpack.Decoder(list[DataMessage])

@@ -217,6 +217,19 @@ class ReorderBuffer(Generic[T]):
             raise self._ended_error()
         return self._take()
 
+    def items(self) -> list[tuple[int, T]]:
+        """The chunks held, not yet delivered, as ``(seq, item)``: a snapshot."""
+        return [(seq, entry[0]) for seq, entry in self._chunks.items()]
+
+    def swap(self, seq: int, old: T, new: T) -> bool:
+        """Hold ``new`` in place of chunk ``seq``'s item, if that is still ``old`` (the
+        same object); False when it is not: delivered, or dropped as the buffer ended."""
+        entry = self._chunks.get(seq)
+        if entry is None or entry[0] is not old:
+            return False
+        self._chunks[seq] = (new, entry[1])
+        return True
+
     def discard(self, item: T) -> None:
         """Hand an item taken from this buffer but never consumed to ``on_discard``."""
         if self._on_discard is not None:

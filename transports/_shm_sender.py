@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import warnings
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from pipeline._encoded import Encoded, to_host
 from pipeline._errors import TransportError, TransportFull
@@ -51,6 +51,9 @@ _POLL_MAX_S = 0.01
 # With this few extents held, every put first reclaims what was released, so a steady
 # stream reuses the same warm extents; with more, only a put that finds no room scans.
 _EAGER_RECLAIM = 64
+# While a put waits for room, the consumers are asked again this often to copy out what
+# they hold unread (see ShmSender.on_short): what they hold changes as chunks arrive.
+_SHORT_REPEAT_S = 0.05
 
 
 class ShmSender(AsyncResource):
@@ -82,6 +85,7 @@ class ShmSender(AsyncResource):
         "bytes",
         "chunks",
         "errors",
+        "on_short",
     )
 
     def __init__(self, edge: EdgeContext, capacity: int) -> None:
@@ -108,6 +112,11 @@ class ShmSender(AsyncResource):
         self.chunks = 0
         self.bytes = 0
         self.errors = 0
+        #: Called, without arguments, when a put finds no room, and again every
+        #: ``_SHORT_REPEAT_S`` while it waits for some. The runtime sets it to ask the
+        #: consumers to copy out, and release, the payloads they hold unread (see
+        #: ``InputChannel.spill``). It must not raise.
+        self.on_short: Callable[[], None] | None = None
 
     @property
     def capacity(self) -> int:
@@ -360,6 +369,7 @@ class ShmSender(AsyncResource):
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         delay = _POLL_FIRST_S
+        asked: float | None = None
         while True:
             if self._closed:
                 raise self._error(f"{key}: closed while waiting for room")
@@ -367,6 +377,10 @@ class ShmSender(AsyncResource):
             if (place := self._take(need)) is not None:
                 return place
             now = loop.time()
+            if self.on_short is not None and (asked is None or now - asked >= _SHORT_REPEAT_S):
+                # Asked even by a put that cannot wait (timeout 0): the next ones find room.
+                asked = now
+                self.on_short()
             if deadline is not None and now >= deadline:
                 raise self._full(key, need, timeout)
             # Consumers in other processes cannot wake us; close can.

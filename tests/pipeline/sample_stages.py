@@ -369,6 +369,31 @@ class FloodN(Flood):
             yield Blob(i, data)
 
 
+def numbered(seq: int, size: int) -> bytes:
+    """The payload of chunk ``seq`` of Numbered: its bytes say which chunk it is."""
+    return seq.to_bytes(4, "little") * (size // 4)
+
+
+class Numbered(Stage):
+    """Streams int(text) blobs of ``size`` bytes, each filled by :func:`numbered`."""
+
+    class Params(BaseModel):
+        size: int = 256 * 1024
+
+    async def process(self, text: Text, ctx: Context) -> AsyncIterator[Blob]:
+        assert isinstance(self.params, Numbered.Params)
+        for i in range(int(text.value)):
+            yield Blob(i, numbered(i, self.params.size))
+
+
+class PassBlobs(Stage):
+    """Passes blobs on as they arrive."""
+
+    async def process(self, blobs: Stream[Blob], ctx: Context) -> AsyncIterator[Blob]:
+        async for blob in blobs:
+            yield blob
+
+
 class Drain(Stage):
     """Consumes blobs slowly and reports how many came, in order."""
 

@@ -72,6 +72,8 @@ async def test_nothing_is_left_in_any_stage_after_1000_requests() -> None:
         for r in stats["replicas"]:
             assert r["active"] == 0, r
             assert r["open_windows"] == 0, r
+            assert all(i["open"] == 0 for i in r["inputs"]), r
+        assert all(i["open"] == 0 for i in client["inputs"]), client
         # The admission slots all came back: a full window of new requests still runs.
         outs = await asyncio.gather(*(pipe.submit(Text(f"a{i} b")) for i in range(64)))
         assert [o.value for o in outs] == [f"a{i} b" for i in range(64)]

@@ -1,0 +1,221 @@
+"""Requests whose readers stopped must not starve the others of a shared shm arena.
+
+A chunk waits in its consumer's reorder buffer, holding its extent of the producer's
+arena, until the request's handler takes it. A handler that reads no more for a while (its
+client stopped reading, it waits to send elsewhere) kept its whole window there, and a few
+such requests could hold the whole arena: a request being read then waited for room for
+its ``full_timeout`` and failed. Now a producer short of room asks its consumers to copy
+out what they hold unread (``Spill``), and the room comes back at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from pipeline import Pipeline
+from pipeline._channel import COPIED, Inflow, InputChannel, OutputChannel, SendTarget, file_run
+from pipeline._errors import EndOfChannel
+from pipeline._messages import Chunks, Credit, Spill, decode_batch, encode_batch
+from pipeline._signature import EdgePlan, build_plan
+from tests.pipeline.conftest import spec, wait_for
+from tests.pipeline.sample_stages import Blob, Text, numbered
+
+#: One chunk's payload: three fill most of a 1 MiB arena.
+SIZE = 300_000
+
+
+def _plan(**transport: Any) -> EdgePlan:
+    s = spec(
+        {"flood": ":Flood", "drain": ":Drain"},
+        [("flood", "drain")],
+        window=64,
+        window_bytes=1 << 30,
+        transport={"kind": "shm", "options": {"capacity": "1MiB"}, **transport},
+    )
+    return build_plan(s).stages["flood"].outputs["drain"]
+
+
+class _Wire:
+    """Both ends of one edge in this process, and the messages between them: runs and
+    ``Spill`` to the consumer, credit to the producer, each through its encoding."""
+
+    def __init__(self, plan: EdgePlan) -> None:
+        self.to_consumer: list[Any] = []
+        self.to_producer: list[bytes] = []
+        self.out = OutputChannel(
+            plan, host="h", endpoint="producer", send=lambda _, m: self.to_consumer.append(m)
+        )
+        self.inp = InputChannel(plan, host="h", send=lambda _, m: self.to_producer.append(m))
+        self.inflows: dict[str, Inflow] = {}
+        self.target = SendTarget("consumer", "h")
+
+    def open(self, request_id: str) -> Inflow:
+        inflow = self.inflows[request_id] = self.inp.open(request_id)
+        return inflow
+
+    def deliver(self) -> None:
+        while self.to_consumer:
+            message = self.to_consumer.pop(0)
+            frame = message if isinstance(message, bytes) else message.seal()
+            (msg,) = decode_batch(encode_batch([frame]))
+            if isinstance(msg, Spill):
+                self.inp.spill()
+            else:
+                assert isinstance(msg, Chunks)
+                file_run(self.inflows[msg.request_id], msg, self.inp.admit(msg))
+        while self.to_producer:
+            (credit,) = decode_batch(encode_batch([self.to_producer.pop(0)]))
+            assert isinstance(credit, Credit)
+            self.out.on_credit(credit)
+
+    async def send(self, request_id: str, seq: int, final: bool = False) -> None:
+        """Send chunk ``seq``, delivering what travels meanwhile (a put may wait for room)."""
+        blob = Blob(seq, numbered(seq, SIZE))
+        sending = asyncio.ensure_future(
+            self.out.send(request_id, self.out.codec.encode(blob), final, self.target)
+        )
+        while not sending.done():
+            self.deliver()
+            await asyncio.sleep(0.001)
+        await sending
+        self.deliver()
+
+    async def read(self, request_id: str) -> int:
+        """Read a request's next chunk (its first: its producer then knows it is read)."""
+        blob = await self.inp.next(self.inflows[request_id])
+        self.deliver()
+        assert blob.data == numbered(blob.seq, SIZE), f"chunk {blob.seq} is corrupt"
+        return int(blob.seq)
+
+    async def read_all(self, request_id: str) -> list[int]:
+        """Read a request's stream to its end, checking every payload's bytes."""
+        seqs = []
+        while True:
+            try:
+                blob = await self.inp.next(self.inflows[request_id])
+            except EndOfChannel:
+                return seqs
+            assert blob.data == numbered(blob.seq, SIZE), f"chunk {blob.seq} is corrupt"
+            seqs.append(blob.seq)
+            self.deliver()
+
+    async def aclose(self) -> None:
+        await self.inp.aclose()
+        await self.out.aclose()
+
+
+async def test_what_a_stopped_reader_holds_is_copied_out_when_the_producer_runs_short() -> None:
+    """A request's reader takes its first chunk and stops; three more fill the arena. The
+    next request's put found no room until the first request ended (here: its
+    full_timeout, 5 s, then failed with TransportFull). Now the consumer copies the three
+    out and releases them, the put goes on at once, and the stopped request still reads
+    every chunk intact, in order."""
+    wire = _Wire(_plan(full_timeout="5s"))
+    try:
+        wire.open("stopped")
+        wire.open("read")
+        await wire.send("stopped", 0)
+        assert await wire.read("stopped") == 0
+        for seq in range(1, 4):
+            await wire.send("stopped", seq, final=seq == 3)
+        shm = wire.out._senders["shm"]
+        assert shm.statistics().held == 3
+        await asyncio.wait_for(wire.send("read", 0, final=True), 4)
+        assert wire.out.spill_asks >= 1
+        await wait_for(lambda: wire.inp.spilled == 3)
+        assert wire.inp.spilled_bytes > 3 * SIZE
+        assert await wire.read_all("read") == [0]
+        assert all(item[0] == COPIED for _, item in wire.inflows["stopped"].buffer.items())
+        assert await wire.read_all("stopped") == [1, 2, 3]
+        await wait_for(lambda: not shm.statistics().held)
+    finally:
+        await wire.aclose()
+
+
+async def test_a_copied_out_request_is_drained_and_its_repeats_free_nothing() -> None:
+    """Copied out, a request's payloads need their producer no more: the consumer says it
+    holds them all (what lets a producer go) before its handler reads them. A repeat of a
+    copied chunk's envelope is refused, and releasing it frees no other payload."""
+    wire = _Wire(_plan())
+    told: list[str] = []
+    wire.inp.on_got_all = told.append
+    try:
+        inflow = wire.open("stopped")
+        await wire.send("stopped", 0)
+        assert await wire.read("stopped") == 0
+        await wire.send("stopped", 1)
+        repeat = wire.out._windows["stopped"].run
+        await wire.send("stopped", 2, final=True)
+        assert not inflow.drained
+        wire.inp.spill()
+        await wait_for(lambda: wire.inp.spilled == 2)
+        assert inflow.drained and told == ["stopped"]
+        assert repeat is not None
+        (again,) = decode_batch(encode_batch([repeat.seal()]))
+        assert isinstance(again, Chunks)
+        assert file_run(inflow, again, wire.inp.admit(again)) == 1
+        wire.open("next")
+        await wire.send("next", 0, final=True)
+        assert await wire.read_all("next") == [0]
+        assert await wire.read_all("stopped") == [1, 2]
+    finally:
+        await wire.aclose()
+
+
+async def test_a_chunk_taken_while_it_is_copied_is_read_once_and_released() -> None:
+    """The copying out awaits (a first get maps the segment): a handler may take the very
+    chunk meanwhile and fetch it itself. The copy is dropped, the chunk read once, and its
+    extent released by the handler's fetch."""
+    wire = _Wire(_plan())
+    try:
+        inflow = wire.open("r")
+        await wire.send("r", 0, final=True)
+        wire.inp.spill()
+        await asyncio.sleep(0)  # the copying has begun: it maps the segment, in a thread
+        assert wire.inp._spilling is not None and not wire.inp._spilling.done()
+        blob = await wire.inp.next(inflow)
+        assert blob.seq == 0
+        with pytest.raises(EndOfChannel):
+            await wire.inp.next(inflow)
+        await asyncio.sleep(0.01)
+        assert wire.inp.spilled == 0
+        shm = wire.out._senders["shm"]
+        await wait_for(lambda: not shm.statistics().held)
+    finally:
+        await wire.aclose()
+
+
+async def test_clients_that_stopped_reading_do_not_starve_a_request_being_read() -> None:
+    """Real processes, the edge between the stages pinned to shm with a 2 MiB arena. Two
+    clients read one chunk of their streams and stop: the stage between waits to send to
+    them, and the window of each stream it holds unread is more than the arena. A third
+    request must still stream through (it waited for room until its full_timeout, then
+    failed), and the two then read on to their ends, every chunk intact and in order."""
+    s = spec(
+        {"numbered": {"impl": ":Numbered", "params": {"size": SIZE}}, "pass": ":PassBlobs"},
+        [("numbered", "pass")],
+        window=16,
+        chunk_timeout="5s",
+        transport={"kind": "shm", "options": {"capacity": "2MiB"}},
+    )
+    async with Pipeline(s) as pipe:
+        stopped = []
+        for _ in range(2):
+            stream = pipe.stream(Text("40")).__aiter__()
+            assert (await stream.__anext__()).seq == 0
+            stopped.append(stream)
+        got = [blob.seq async for blob in pipe.stream(Text("30"))]
+        assert got == list(range(30))
+        for stream in stopped:
+            rest = []
+            async for blob in stream:
+                assert blob.data == numbered(blob.seq, SIZE), f"chunk {blob.seq} is corrupt"
+                rest.append(blob.seq)
+            assert rest == list(range(1, 40))
+        stats = await pipe.statistics()
+    (between,) = (r for r in stats["replicas"] if r["stage"] == "pass")
+    # The stage between copied out what its stopped streams held.
+    assert sum(i["spilled"] for i in between["inputs"]) > 0, between["inputs"]
