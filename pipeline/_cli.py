@@ -53,6 +53,7 @@ from rich.progress import (
 from pipeline import _collector
 from pipeline.__main__ import worker_argv
 from pipeline._api import Pipeline, SinkOutput
+from pipeline._arguments import OneLineParser
 from pipeline._codec import resolve_device
 from pipeline._errors import (
     ConfigError,
@@ -150,27 +151,49 @@ def _json_input(where: str, text: str) -> bytes:
         raise _Fail(f"{where}: not UTF-8 text (character {exc.start + 1})", EXIT_CONFIG) from None
 
 
-def _refuse_unknown_fields(
-    where: str, line: str | bytes, name: str, known: set[str] | None
-) -> None:
-    """Refuse a JSON object naming a field its type lacks: a misspelt optional field would
-    be dropped without a word, its default used.
+def _refuse_unknown_fields(where: str, given: Any, name: str, known: set[str] | None) -> None:
+    """Refuse a JSON object (``given``, decoded as it is) naming a field its type lacks: a
+    misspelt optional field would be dropped without a word, its default used.
 
     Raises:
-        _Fail: the line names an unknown field (exit code 2).
+        _Fail: the object names an unknown field (exit code 2).
     """
     if known is None:
         return
-    try:
-        given = msgspec.json.decode(line)
-    except RecursionError:
-        raise _Fail(f"{where}: {_TOO_DEEP}", EXIT_CONFIG) from None
     unknown = sorted(set(given) - known) if isinstance(given, dict) else []
     if unknown:
         raise _Fail(
             f"{where}: {name} has no field {unknown[0]!r} (its fields: {', '.join(sorted(known))})",
             EXIT_CONFIG,
         )
+
+
+#: The integers a payload carries: msgpack's, those of a signed or unsigned 64-bit word.
+_INT_RANGE = range(-(1 << 63), 1 << 64)
+
+
+def _refuse_wide_ints(where: str, given: Any) -> None:
+    """Refuse JSON (``given``, decoded as it is) holding an integer no payload can carry:
+    the input would be read, the workers started, and its request fail only as it is sent,
+    without saying which number.
+
+    Raises:
+        _Fail: an integer is past 64 bits, named by its place (exit code 2).
+    """
+    todo: list[tuple[str, Any]] = [("", given)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, dict):
+            todo.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, int) and value not in _INT_RANGE:
+            raise _Fail(
+                f"{where}: {path or 'the input'} is {value}, which does not fit in 64 bits "
+                "(payloads carry integers from -2**63 to 2**64 - 1): give it as a string, "
+                "or as a float (1e23)",
+                EXIT_CONFIG,
+            )
 
 
 def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
@@ -215,11 +238,13 @@ def _read_inputs(pipe: Pipeline, args: argparse.Namespace) -> list[Any]:
         data = _json_input(where, line)
         try:
             values.append(msgspec.json.decode(data, type=tp))
+            given = msgspec.json.decode(data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise _Fail(f"{where}: not a valid {name}: {exc}", EXIT_CONFIG) from exc
         except RecursionError:
             raise _Fail(f"{where}: {_TOO_DEEP}", EXIT_CONFIG) from None
-        _refuse_unknown_fields(where, data, name, known)
+        _refuse_unknown_fields(where, given, name, known)
+        _refuse_wide_ints(where, given)
     if not values:
         raise _Fail(f"{args.input_file}: no inputs", EXIT_CONFIG)
     return values
@@ -631,6 +656,8 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
         raise _Fail(f"--input is not JSON: {exc}", EXIT_CONFIG) from None
     except RecursionError:
         raise _Fail(f"--input: {_TOO_DEEP}", EXIT_CONFIG) from None
+    _refuse_wide_ints("--input", value)
+    given = value
     keys = _keys_or_fail(args.keys)
     loop = asyncio.get_running_loop()
     reading = asyncio.current_task()
@@ -666,7 +693,7 @@ async def _submit(args: argparse.Namespace, console: Console) -> int:
                         ) from None
                     name = getattr(pipe.source_type, "__name__", "the source's type")
                     known = _field_names(pipe.source_type)
-                    _refuse_unknown_fields("--input", data, name, known)
+                    _refuse_unknown_fields("--input", given, name, known)
                 async with pipe.stream(value) as stream:
                     started = True
                     async for chunk in stream:
@@ -774,10 +801,10 @@ def _version() -> str:
         return "unknown"
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> OneLineParser:
     from pipeline._worker import parser as worker_parser
 
-    p = argparse.ArgumentParser(prog="stagewire", description="Staged inference pipelines.")
+    p = OneLineParser(prog="stagewire", description="Staged inference pipelines.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"stagewire {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -1030,7 +1057,7 @@ def _say(console: Console, text: str) -> None:
 
 
 def _main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse(argv)
     if args.command in ("run", "master"):
         # Off while the stages' modules import and the workers start (see _collector).
         _collector.pause()

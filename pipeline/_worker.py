@@ -37,6 +37,7 @@ import zmq
 
 from pipeline import _collector
 from pipeline._actor import StageActor
+from pipeline._arguments import OneLineParser
 from pipeline._config import PipelineSpec
 from pipeline._cpu_idle import hold_cpu_idle
 from pipeline._devices import check_device, visible_devices
@@ -854,9 +855,9 @@ async def run_worker(
             worker.watchdog.exiting(code)
 
 
-def parser() -> argparse.ArgumentParser:
+def parser() -> OneLineParser:
     """The worker's command-line arguments (shared with ``stagewire worker``)."""
-    p = argparse.ArgumentParser(prog="stagewire worker", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="stagewire worker", description=__doc__.split("\n")[0])
     p.add_argument("--master", required=True, help="the master's control endpoint")
     p.add_argument("--stage", required=True, help="the stage this worker serves")
     p.add_argument("--replica", type=int, default=0, help="the replica index (default 0)")
@@ -918,7 +919,7 @@ def main(argv: list[str] | None = None) -> int:
     # Off while the stage imports and sets up; on again, frozen, before it serves.
     _collector.pause()
     p = parser()
-    args = p.parse_args(argv)
+    args = p.parse(argv)
     problem = master_endpoint_problem(args.master)
     if problem is not None:
         p.error(f"--master {args.master!r} {problem}")

@@ -620,6 +620,19 @@ class Parcel(msgspec.Struct):
     data: bytes
 
 
+class Numbers(msgspec.Struct):
+    """Integers to add up."""
+
+    values: list[int]
+
+
+class Sums(Stage):
+    """Answers the sum of its numbers."""
+
+    async def process(self, numbers: Numbers, ctx: Context) -> Text:
+        return Text(str(sum(numbers.values)))
+
+
 class Wraps(Stage):
     """Sends its text on with ``size`` bytes alongside."""
 

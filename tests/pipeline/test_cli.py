@@ -258,6 +258,9 @@ def test_bad_arguments_are_one_line_errors_not_tracebacks(tmp_path: Path) -> Non
     binary.write_bytes(b"\xff\xfe not json")
     not_utf8 = os.fsdecode(b'{"value": "caf' + bytes([0xE9]) + b'"}')
     deep = '{"value": "a", "x": ' + "[" * 5000 + "]" * 5000 + "}"
+    sums = tmp_path / "sums.yaml"
+    sums.write_text("stages:\n  s: {impl: 'tests.pipeline.sample_stages:Sums'}\n")
+    wide = "99999999999999999999999"
     cases = [
         (("run", "configs/demo.yaml", "--input", '{"value": "a"}', "--requests", "-1"),
          "--requests: -1 is below 0"),
@@ -273,6 +276,12 @@ def test_bad_arguments_are_one_line_errors_not_tracebacks(tmp_path: Path) -> Non
         # A misspelt field was dropped without a word (an optional one kept its default).
         (("run", "configs/demo.yaml", "--input", '{"value": "a", "valeu": "b"}'),
          "--input: Text has no field 'valeu' (its fields: value)"),
+        # An integer past 64 bits was read, the workers started, and its request failed
+        # as it was sent ("cannot encode payload"), naming no field.
+        (("run", str(sums), "--input", f'{{"values": [1, {wide}]}}'),
+         f"--input: values[1] is {wide}, which does not fit in 64 bits"),
+        (("submit", "--master", "tcp://127.0.0.1:9", "--input", f'{{"value": {wide}}}'),
+         f"--input: value is {wide}, which does not fit in 64 bits"),
         (("worker", "--master", "not-an-endpoint", "--stage", "split"),
          "is not a control endpoint"),
         (("worker", "--master", "tcp://127.0.0.1:9", "--stage", "split", "--replica", "-1"),
@@ -430,8 +439,30 @@ def test_counts_beyond_the_maximum_are_usage_errors(tmp_path: Path) -> None:
         errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
         assert errors == [
             f"stagewire run: error: argument {flag}: 99999999999999999999 is above 2147483648"
+            " (see `stagewire run --help`)"
         ], res.stderr
         assert "Traceback" not in res.stderr
+
+
+def test_usage_errors_are_one_line_naming_the_option_meant() -> None:
+    """argparse printed its usage block (up to six lines) above the one line that says what
+    is wrong. Now that line alone, with the option a misspelt one resembles, for the
+    command's own parser as for a worker's."""
+    cases = [
+        (("run",), "stagewire run: error: the following arguments are required: config"
+         " (see `stagewire run --help`)"),
+        (("run", "configs/demo.yaml", "--requets", "3"), "stagewire run: error: unrecognized "
+         "arguments: --requets 3; did you mean --requests? (see `stagewire run --help`)"),
+        (("bogus",), "stagewire: error: argument command: invalid choice: 'bogus'"),
+        (("worker", "--master", "tcp://127.0.0.1:9", "--stage", "s", "--replca", "1"),
+         "stagewire worker: error: unrecognized arguments: --replca 1; did you mean "
+         "--replica? (see `stagewire worker --help`)"),
+    ]  # fmt: skip
+    for args, expected in cases:
+        done = _run(*args, timeout=60)
+        assert done.returncode == 2, (args, done.stderr)
+        assert len(done.stderr.splitlines()) == 1, (args, done.stderr)
+        assert done.stderr.startswith(expected), (args, done.stderr)
 
 
 def test_concurrency_is_at_most_the_number_of_requests(tmp_path: Path) -> None:
@@ -696,8 +727,6 @@ def test_a_tagged_source_type_takes_its_own_encoding_as_input() -> None:
     """A tagged Struct's JSON names its tag field; it was refused as an unknown field."""
     known = _cli._field_names(_Tagged)
     assert known == {"type", "value"}
-    _cli._refuse_unknown_fields("--input", '{"type": "_Tagged", "value": "x"}', "_Tagged", known)
+    _cli._refuse_unknown_fields("--input", {"type": "_Tagged", "value": "x"}, "_Tagged", known)
     with pytest.raises(_cli._Fail, match="no field 'valeu'"):
-        _cli._refuse_unknown_fields(
-            "--input", '{"type": "_Tagged", "valeu": "x"}', "_Tagged", known
-        )
+        _cli._refuse_unknown_fields("--input", {"type": "_Tagged", "valeu": "x"}, "_Tagged", known)
