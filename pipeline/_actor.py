@@ -598,7 +598,7 @@ class StageActor:
                 elif isinstance(msg, Spill):
                     entry = self._inputs_by_edge.get(msg.edge)
                     if entry is not None:
-                        entry[1].spill()
+                        entry[1].spill(msg.transport)
                 elif not self._token or msg.token != self._token:
                     self._garbage(1)  # a request message that is not the master's
                 elif isinstance(msg, Admit):

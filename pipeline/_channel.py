@@ -57,7 +57,6 @@ from pipeline._encoded import DECODE_ERRORS, Encoded, to_host
 from pipeline._errors import (
     EndOfChannel,
     PayloadError,
-    PipelineError,
     ProducerLost,
     RequestAborted,
     StageUnavailable,
@@ -117,6 +116,9 @@ QUEUED_SHARE = 0.25
 #: How often a send held back by the queued share looks again: the share also drops when
 #: a consumer releases a queued payload unread (its request aborted), which wakes no one.
 QUEUED_RECHECK_S = 0.05
+#: A request whose reader took nothing for this long (seconds) counts as stopped when its
+#: producer runs out of room: what it holds is copied out (see InputChannel.spill).
+SPILL_STALL_S = 0.1
 #: Past this many requests noted as queued on an edge, those no longer queued are pruned.
 QUEUED_READERS_PRUNE = 1024
 #: How long a closing input channel waits at most for the releases under way (seconds):
@@ -281,6 +283,7 @@ class Inflow:
         "fragile",
         "held",
         "sender",
+        "stall",
         "taken",
         "told",
         "unfetched",
@@ -315,6 +318,16 @@ class Inflow:
         #: A payload came by a transport that needs its producer even once got (see
         #: :func:`needing_producer`): however drained, the producer stays needed.
         self.fragile = False
+        #: ``taken`` when last looked at by :meth:`stalled`, and since when it was so.
+        self.stall: tuple[int, float] | None = None
+
+    def stalled(self, now: float, least: float) -> bool:
+        """Whether the reader took nothing for ``least`` seconds, as far as looks at
+        ``now`` and before can tell (the first look starts the count)."""
+        stall = self.stall
+        if stall is None or stall[0] != self.taken:
+            stall = self.stall = (self.taken, now)
+        return now - stall[1] >= least
 
     @property
     def drained(self) -> bool:
@@ -744,7 +757,7 @@ class OutputChannel:
         more, its handler waits to send elsewhere) then holds its window of chunks in its
         consumer's memory, as it would by network, not in the room every request shares."""
         self.spill_asks += 1
-        message = encode_message(Spill(self.plan.name))
+        message = encode_message(Spill(self.plan.name, self._shared_name))
         for endpoint in self._shared_readers:
             self._send(endpoint, message)
 
@@ -1100,8 +1113,10 @@ class InputChannel:
         self._first_credit = 1 if self._bounded else self._credit_step
         #: Requests open on this edge here: one alone gets :data:`LONE_WINDOWS` windows.
         self._inflows: set[Inflow] = set()
-        #: The copying out under way, and whether the producer asked again meanwhile.
+        #: The copying out under way, the transports asked for, and whether the producer
+        #: asked again meanwhile.
         self._spilling: asyncio.Task[None] | None = None
+        self._spill_names: set[str] = set()
         self._spill_again = False
         #: Payloads copied out of their transport at the producer's request, and bytes.
         self.spilled = 0
@@ -1363,45 +1378,57 @@ class InputChannel:
         finally:
             await recv.release(descriptor)
 
-    def spill(self) -> None:
-        """Copy the payloads this process holds in a bounded transport (the producer's shm
-        arena) for chunks no handler has taken yet into its own memory, and release them:
-        the producer has run out of room there (its :class:`Spill`).
+    def spill(self, transport: str) -> None:
+        """Copy the payloads this process holds in ``transport`` (the producer's shm arena,
+        out of room: its :class:`Spill`) for requests whose readers have stopped into its
+        own memory, and release them.
 
-        Chunks wait unread in a reorder buffer while their request's reader does not read:
-        its client stopped reading, its handler waits to send on, or the request is queued
-        behind others. Their extents would stay taken, and enough such requests fill the
-        arena, starving the requests being read. Copied out, they take this process's
-        memory instead, as by network: the producer's windows bound it all the same, since
-        credit goes back only as chunks are taken. The copying runs in a task; a request
-        asked meanwhile is copied once it ends. Chunks being fetched, or pinned by
-        tensors read in place, stay where they are.
+        A request's chunks wait in its reorder buffer until its handler takes them. One
+        whose reader stopped (its client reads no more, its handler waits to send on) kept
+        its window of extents, and a few such requests could hold the whole arena,
+        starving those being read. A reader counts as stopped when it took nothing in
+        :data:`SPILL_STALL_S` between two asks (a producer still short asks again every
+        few tens of milliseconds): one that reads on, however slowly, frees its extents
+        itself, and copying them would only cost memory and time. Copied out, a stopped
+        request's chunks take this process's memory instead, as by network; its window
+        bounds them all the same, since credit goes back only as chunks are taken.
+        Requests not yet being read (queued behind ``max_concurrency``) stay in the
+        arena: the queued share bounds them there. The copying runs in a task, and yields
+        between payloads. Chunks being fetched, payloads of another transport, and
+        extents pinned by tensors read in place stay where they are.
         """
+        if transport not in self._bounded or transport not in self._receivers:
+            return
+        self._spill_names.add(transport)
         if self._spilling is not None and not self._spilling.done():
             self._spill_again = True
-            return
-        if not self._bounded:
             return
         task = self._spilling = asyncio.get_running_loop().create_task(self._spill())
         _background.add(task)
         task.add_done_callback(_background.discard)
 
     async def _spill(self) -> None:
+        loop = asyncio.get_running_loop()
         again = True
         while again:
             self._spill_again = False
+            names = frozenset(self._spill_names)
+            self._spill_names.clear()
+            now = loop.time()
             for inflow in list(self._inflows):
-                await self._spill_one(inflow)
+                if inflow.taken and inflow.stalled(now, SPILL_STALL_S):
+                    await self._spill_one(inflow, names)
             again = self._spill_again
 
-    async def _spill_one(self, inflow: Inflow) -> None:
-        """Copy out what ``inflow``'s buffer holds in a bounded transport (see spill)."""
+    async def _spill_one(self, inflow: Inflow, names: frozenset[str]) -> None:
+        """Copy out what ``inflow``'s buffer holds in transports ``names`` (see spill)."""
         buffer = inflow.buffer
         for seq, item in buffer.items():
             name, descriptor, sender = item
-            if descriptor is None or name not in self._bounded:
+            if descriptor is None or name not in names:
                 continue
             copied = await self._copy_out(name, descriptor)
+            await asyncio.sleep(0)  # a copy of many payloads must not hold the loop
             if copied is None or not buffer.swap(seq, item, (COPIED, copied, sender)):
                 # Taken meanwhile (its fetch releases it), or its request ended (it was
                 # released as it was dropped): the copy is not needed.
@@ -1415,13 +1442,14 @@ class InputChannel:
 
     async def _copy_out(self, name: str, descriptor: Descriptor) -> Copied | None:
         """The payload ``descriptor`` names, copied into this process's memory; None when
-        it cannot be got (a stale descriptor, a producer gone): its reader finds out."""
-        recv = self._receivers.get(name)
-        if recv is None:
-            return None
+        it cannot be got (a stale descriptor, a producer gone: its reader finds out), or
+        holds device memory (only host bytes are copied)."""
+        recv = self._receivers[name]
         try:
             got = await recv.get(descriptor)
-        except PipelineError:
+        except Exception:  # its reader meets the error itself, as it fetches the payload
+            return None
+        if got.device_buffers:
             return None
         buffers = tuple(memoryview(bytearray(b)) if len(b) else b"" for b in got.buffers)
         return Copied(Encoded(bytes(got.header), buffers))

@@ -142,13 +142,14 @@ class Held(_Msg, frozen=True, tag="h"):
 
 
 class Spill(_Msg, frozen=True, tag="s"):
-    """The producer's end of ``edge`` has no room left in its shared transport (the shm
-    arena): the consumer copies the payloads it holds there for chunks its handlers have
-    not taken into its own memory, and releases them (see ``InputChannel.spill``). Without
-    this, requests whose readers stopped (a client that reads no more, a handler waiting
-    on another output) could hold the whole arena, and starve those being read."""
+    """The producer's end of ``edge`` has no room left in ``transport`` (its shm arena):
+    the consumer copies the payloads it holds there for requests whose readers stopped
+    into its own memory, and releases them (see ``InputChannel.spill``). Without this,
+    requests whose readers stopped (a client that reads no more, a handler waiting on
+    another output) could hold the whole arena, and starve those being read."""
 
     edge: str
+    transport: str
 
 
 #: Encodes one message of this module (any of them) to msgpack.

@@ -103,6 +103,11 @@ def edge_rows(
         used = used or "-"
         if row["fallbacks"]:
             used += f" ({row['fallbacks']} fell back)"
+        # Copied out of a full shm arena at its consumer, unread (see InputChannel.spill):
+        # a sign that the arena is small for the requests whose readers stop.
+        spilled = sum(i.get("spilled", 0) for i in hops.get(edge, []))
+        if spilled:
+            used += f" ({spilled} spilled)"
         p50, p99 = _hop_percentiles(hops.get(edge, []))
         rows.append(
             {

@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 
 from pipeline import Pipeline
+from pipeline import _channel as channel_module
 from pipeline._channel import COPIED, Inflow, InputChannel, OutputChannel, SendTarget, file_run
 from pipeline._errors import EndOfChannel
 from pipeline._messages import Chunks, Credit, Spill, decode_batch, encode_batch
+from pipeline._report import edge_rows
 from pipeline._signature import EdgePlan, build_plan
 from tests.pipeline.conftest import spec, wait_for
 from tests.pipeline.sample_stages import Blob, Text, numbered
@@ -62,7 +64,7 @@ class _Wire:
             frame = message if isinstance(message, bytes) else message.seal()
             (msg,) = decode_batch(encode_batch([frame]))
             if isinstance(msg, Spill):
-                self.inp.spill()
+                self.inp.spill(msg.transport)
             else:
                 assert isinstance(msg, Chunks)
                 file_run(self.inflows[msg.request_id], msg, self.inp.admit(msg))
@@ -135,10 +137,13 @@ async def test_what_a_stopped_reader_holds_is_copied_out_when_the_producer_runs_
         await wire.aclose()
 
 
-async def test_a_copied_out_request_is_drained_and_its_repeats_free_nothing() -> None:
+async def test_a_copied_out_request_is_drained_and_its_repeats_free_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Copied out, a request's payloads need their producer no more: the consumer says it
     holds them all (what lets a producer go) before its handler reads them. A repeat of a
     copied chunk's envelope is refused, and releasing it frees no other payload."""
+    monkeypatch.setattr(channel_module, "SPILL_STALL_S", 0.0)
     wire = _Wire(_plan())
     told: list[str] = []
     wire.inp.on_got_all = told.append
@@ -150,7 +155,7 @@ async def test_a_copied_out_request_is_drained_and_its_repeats_free_nothing() ->
         repeat = wire.out._windows["stopped"].run
         await wire.send("stopped", 2, final=True)
         assert not inflow.drained
-        wire.inp.spill()
+        wire.inp.spill("shm")
         await wait_for(lambda: wire.inp.spilled == 2)
         assert inflow.drained and told == ["stopped"]
         assert repeat is not None
@@ -165,25 +170,66 @@ async def test_a_copied_out_request_is_drained_and_its_repeats_free_nothing() ->
         await wire.aclose()
 
 
-async def test_a_chunk_taken_while_it_is_copied_is_read_once_and_released() -> None:
-    """The copying out awaits (a first get maps the segment): a handler may take the very
-    chunk meanwhile and fetch it itself. The copy is dropped, the chunk read once, and its
-    extent released by the handler's fetch."""
+async def test_a_chunk_taken_while_it_is_copied_is_read_once_and_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copying out yields between payloads: a handler may take the very chunk
+    meanwhile and fetch it itself. The copy is dropped, the chunk read once, and its
+    extent released by the handler's fetch, not before it."""
+    monkeypatch.setattr(channel_module, "SPILL_STALL_S", 0.0)
     wire = _Wire(_plan())
     try:
         inflow = wire.open("r")
-        await wire.send("r", 0, final=True)
-        wire.inp.spill()
-        await asyncio.sleep(0)  # the copying has begun: it maps the segment, in a thread
+        await wire.send("r", 0)
+        assert await wire.read("r") == 0
+        await wire.send("r", 1, final=True)
+        wire.inp.spill("shm")
+        await asyncio.sleep(0)  # the copy is made: the copying yields before it swaps
         assert wire.inp._spilling is not None and not wire.inp._spilling.done()
-        blob = await wire.inp.next(inflow)
-        assert blob.seq == 0
+        assert await wire.read("r") == 1
         with pytest.raises(EndOfChannel):
             await wire.inp.next(inflow)
-        await asyncio.sleep(0.01)
+        await wire.inp._spilling
         assert wire.inp.spilled == 0
         shm = wire.out._senders["shm"]
         await wait_for(lambda: not shm.statistics().held)
+    finally:
+        await wire.aclose()
+
+
+async def test_requests_not_stopped_keep_their_extents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a request whose reader stopped is copied out. One not yet read (queued behind
+    the consumer's max_concurrency) stays in the arena, where the queued share bounds it:
+    copied out, it let more queued chunks in, each copied in turn, and the consumer's
+    memory grew with the queue. Payloads of another transport stay too."""
+    monkeypatch.setattr(channel_module, "SPILL_STALL_S", 0.0)
+    wire = _Wire(_plan())
+    try:
+        wire.open("queued")
+        await wire.send("queued", 0, final=True)
+        wire.inp.spill("shm")
+        wire.inp.spill("network")  # not a transport of this edge: nothing to do
+        assert wire.inp._spilling is not None
+        await wire.inp._spilling
+        assert wire.inp.spilled == 0
+        assert wire.out._senders["shm"].statistics().held == 1
+        assert await wire.read_all("queued") == [0]
+    finally:
+        await wire.aclose()
+
+
+async def test_a_reader_is_stopped_once_it_took_nothing_for_a_while() -> None:
+    """A reader that took a chunk since the last look reads on, however slowly: copying
+    its chunks would cost memory and time for room it frees itself."""
+    wire = _Wire(_plan())
+    try:
+        inflow = wire.open("r")
+        assert not inflow.stalled(10.0, 0.1)  # the first look starts the count
+        assert not inflow.stalled(10.05, 0.1)
+        assert inflow.stalled(10.25, 0.1)
+        inflow.taken += 1
+        assert not inflow.stalled(10.5, 0.1)
+        assert inflow.stalled(10.75, 0.1)
     finally:
         await wire.aclose()
 
@@ -216,6 +262,11 @@ async def test_clients_that_stopped_reading_do_not_starve_a_request_being_read()
                 rest.append(blob.seq)
             assert rest == list(range(1, 40))
         stats = await pipe.statistics()
+    edge = "numbered->pass"
     (between,) = (r for r in stats["replicas"] if r["stage"] == "pass")
-    # The stage between copied out what its stopped streams held.
-    assert sum(i["spilled"] for i in between["inputs"]) > 0, between["inputs"]
+    # The stage between copied out what its stopped streams held, and the run's edge
+    # table says so.
+    spilled = sum(i["spilled"] for i in between["inputs"])
+    assert spilled > 0, between["inputs"]
+    (row,) = (r for r in edge_rows(stats["replicas"], stats["client"]) if r["edge"] == edge)
+    assert row["used"].endswith(f"({spilled} spilled)"), row
