@@ -34,9 +34,10 @@ A request being read can stop being read too: its client reads no more, or its h
 waits to send on. Its window of chunks then waits in the consumer's reorder buffer, each
 holding its extent, and a few such requests could hold the whole arena. So a producer
 whose put finds no room sends :class:`~pipeline._messages.Spill` to the consumers it
-sent payloads to, and each copies what its buffers hold in the arena into its own memory
-and releases it (:meth:`InputChannel.spill`): the stopped requests keep their windows, as
-they would by network, and the room comes back to those being read.
+sent payloads to, and each copies what requests whose readers stopped (nothing taken for
+:data:`SPILL_STALL_S`) hold in the arena into its own memory and releases it
+(:meth:`InputChannel.spill`): the stopped requests keep their windows, as they would by
+network, and the room comes back to those being read.
 """
 
 from __future__ import annotations

@@ -197,23 +197,33 @@ async def test_a_chunk_taken_while_it_is_copied_is_read_once_and_released(
         await wire.aclose()
 
 
-async def test_requests_not_stopped_keep_their_extents(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("reader", ["queued", "reading on"])
+async def test_requests_not_stopped_keep_their_extents(
+    reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Only a request whose reader stopped is copied out. One not yet read (queued behind
     the consumer's max_concurrency) stays in the arena, where the queued share bounds it:
     copied out, it let more queued chunks in, each copied in turn, and the consumer's
-    memory grew with the queue. Payloads of another transport stay too."""
-    monkeypatch.setattr(channel_module, "SPILL_STALL_S", 0.0)
+    memory grew with the queue. One whose reader took a chunk within SPILL_STALL_S reads
+    on and frees its extents itself: a single stream through an arena smaller than its
+    window had most of its chunks copied. Payloads of another transport stay too."""
+    if reader == "queued":
+        monkeypatch.setattr(channel_module, "SPILL_STALL_S", 0.0)
     wire = _Wire(_plan())
     try:
-        wire.open("queued")
-        await wire.send("queued", 0, final=True)
-        wire.inp.spill("shm")
-        wire.inp.spill("network")  # not a transport of this edge: nothing to do
-        assert wire.inp._spilling is not None
-        await wire.inp._spilling
+        wire.open("r")
+        if reader == "reading on":
+            await wire.send("r", 0)
+            assert await wire.read("r") == 0
+        await wire.send("r", 1, final=True)
+        for _ in range(3):  # asked again and again, within SPILL_STALL_S
+            wire.inp.spill("shm")
+            wire.inp.spill("network")  # not a transport of this edge: nothing to do
+            assert wire.inp._spilling is not None
+            await wire.inp._spilling
         assert wire.inp.spilled == 0
         assert wire.out._senders["shm"].statistics().held == 1
-        assert await wire.read_all("queued") == [0]
+        assert await wire.read_all("r") == [1]
     finally:
         await wire.aclose()
 
