@@ -17,13 +17,14 @@ import pytest
 
 from pipeline import Pipeline
 from pipeline import _channel as channel_module
-from pipeline._channel import COPIED, Inflow, InputChannel, OutputChannel, SendTarget, file_run
+from pipeline._channel import COPIED, Inflow, file_run
 from pipeline._errors import EndOfChannel
 from pipeline._messages import Chunks, Credit, Spill, decode_batch, encode_batch
 from pipeline._report import edge_rows
 from pipeline._signature import EdgePlan, build_plan
 from tests.pipeline.conftest import spec, wait_for
 from tests.pipeline.sample_stages import Blob, Text, numbered
+from tests.pipeline.test_byte_window import _Wire as _OneRequestWire
 
 #: One chunk's payload: three fill most of a 1 MiB arena.
 SIZE = 300_000
@@ -40,27 +41,23 @@ def _plan(**transport: Any) -> EdgePlan:
     return build_plan(s).stages["flood"].outputs["drain"]
 
 
-class _Wire:
-    """Both ends of one edge in this process, and the messages between them: runs and
-    ``Spill`` to the consumer, credit to the producer, each through its encoding."""
+class _Wire(_OneRequestWire):
+    """Both ends of one edge in this process, and the messages between them, for several
+    requests: runs and ``Spill`` to the consumer, credit to the producer, each through
+    its encoding."""
 
     def __init__(self, plan: EdgePlan) -> None:
-        self.to_consumer: list[Any] = []
-        self.to_producer: list[bytes] = []
-        self.out = OutputChannel(
-            plan, host="h", endpoint="producer", send=lambda _, m: self.to_consumer.append(m)
-        )
-        self.inp = InputChannel(plan, host="h", send=lambda _, m: self.to_producer.append(m))
-        self.inflows: dict[str, Inflow] = {}
-        self.target = SendTarget("consumer", "h")
+        super().__init__(plan)
+        self.inflows: dict[str, Inflow] = {"r": self.inflow}
 
     def open(self, request_id: str) -> Inflow:
-        inflow = self.inflows[request_id] = self.inp.open(request_id)
-        return inflow
+        if request_id not in self.inflows:
+            self.inflows[request_id] = self.inp.open(request_id)
+        return self.inflows[request_id]
 
     def deliver(self) -> None:
-        while self.to_consumer:
-            message = self.to_consumer.pop(0)
+        while self.runs:
+            message = self.runs.pop(0)
             frame = message if isinstance(message, bytes) else message.seal()
             (msg,) = decode_batch(encode_batch([frame]))
             if isinstance(msg, Spill):
@@ -68,8 +65,8 @@ class _Wire:
             else:
                 assert isinstance(msg, Chunks)
                 file_run(self.inflows[msg.request_id], msg, self.inp.admit(msg))
-        while self.to_producer:
-            (credit,) = decode_batch(encode_batch([self.to_producer.pop(0)]))
+        while self.credits:
+            (credit,) = decode_batch(encode_batch([self.credits.pop(0)]))
             assert isinstance(credit, Credit)
             self.out.on_credit(credit)
 
