@@ -19,7 +19,16 @@ import numpy as np
 
 from pipeline import Context, Stage, Stream
 
-__all__ = ("Frame", "Go", "SizedSink", "SizedSource", "Tally", "mp_echo", "prefaulted")
+__all__ = (
+    "Frame",
+    "FramesOn",
+    "Go",
+    "SizedSink",
+    "SizedSource",
+    "Tally",
+    "mp_echo",
+    "prefaulted",
+)
 
 
 class Go(msgspec.Struct):
@@ -105,6 +114,14 @@ class SizedSink(Stage):
             nbytes += int(frame.data.nbytes)
             del frame
         return Tally(n, nbytes, first_put, first_got, last_got)
+
+
+class FramesOn(Stage):
+    """Passes frames on as they arrive (to the client, in ``stopped_readers.py``)."""
+
+    async def process(self, frames: Stream[Frame], ctx: Context) -> AsyncIterator[Frame]:
+        async for frame in frames:
+            yield frame
 
 
 def mp_echo(q_in: Any, q_out: Any) -> None:
