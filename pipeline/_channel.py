@@ -753,10 +753,10 @@ class OutputChannel:
 
     def _short_of_room(self) -> None:
         """The shared transport has no room for a put: ask every consumer it holds
-        payloads for to copy out those not yet taken, and release them
-        (:meth:`InputChannel.spill`). A request whose reader stopped (its client reads no
-        more, its handler waits to send elsewhere) then holds its window of chunks in its
-        consumer's memory, as it would by network, not in the room every request shares."""
+        payloads for to copy out, and release, those of requests whose readers stopped
+        (:meth:`InputChannel.spill`). Such a request (its client reads no more, its
+        handler waits to send elsewhere) then holds its window of chunks in its consumer's
+        memory, as it would by network, not in the room every request shares."""
         self.spill_asks += 1
         message = encode_message(Spill(self.plan.name, self._shared_name))
         for endpoint in self._shared_readers:
