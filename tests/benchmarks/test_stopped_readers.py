@@ -15,4 +15,4 @@ def test_short_run_reads_through_stopped_readers(tmp_path: Path) -> None:
     )
     assert figures["alone_ms"] > 0 and math.isfinite(figures["ratio"]), figures
     assert figures["spilled"] > 0, figures
-    assert "| 160 x 256 KiB | 2MiB | 2 |" in proc.stdout, proc.stdout
+    assert "| 100 x 1024 KiB | 16MiB | 2 |" in proc.stdout, proc.stdout

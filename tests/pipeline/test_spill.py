@@ -244,9 +244,10 @@ async def test_a_reader_is_stopped_once_it_took_nothing_for_a_while() -> None:
 async def test_clients_that_stopped_reading_do_not_starve_a_request_being_read() -> None:
     """Real processes, the edge between the stages pinned to shm with a 2 MiB arena. Two
     clients read one chunk of their streams and stop: the stage between waits to send to
-    them, and the window of each stream it holds unread is more than the arena. A third
-    request must still stream through (it waited for room until its full_timeout, then
-    failed), and the two then read on to their ends, every chunk intact and in order."""
+    them, and the window of a stream it holds unread is more than the arena. Their
+    producer, then a third request, must still stream through (each waited for room until
+    its full_timeout, then failed), and the two then read on to their ends, every chunk
+    intact and in order."""
     s = spec(
         {"numbered": {"impl": ":Numbered", "params": {"size": SIZE}}, "pass": ":PassBlobs"},
         [("numbered", "pass")],
@@ -255,11 +256,21 @@ async def test_clients_that_stopped_reading_do_not_starve_a_request_being_read()
         transport={"kind": "shm", "options": {"capacity": "2MiB"}},
     )
     async with Pipeline(s) as pipe:
+
+        async def spilled() -> bool:
+            stats = await pipe.statistics()
+            (inp,) = (i for r in stats["replicas"] if r["stage"] == "pass" for i in r["inputs"])
+            return bool(inp["spilled"])
+
         stopped = []
         for _ in range(2):
             stream = pipe.stream(Text("40")).__aiter__()
             assert (await stream.__anext__()).seq == 0
             stopped.append(stream)
+        # What the stage between holds of them unread (a window of 16 chunks of 300 kB
+        # each, at least for the second) is more than the arena: their own producer runs
+        # short, and has it copied out. It waited for room until its full_timeout.
+        await wait_for(spilled, 30)
         got = [blob.seq async for blob in pipe.stream(Text("30"))]
         assert got == list(range(30))
         for stream in stopped:
