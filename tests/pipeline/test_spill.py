@@ -78,7 +78,8 @@ class _Wire(_OneRequestWire):
         )
         while not sending.done():
             self.deliver()
-            await asyncio.sleep(0.001)
+            # The put may wait for room, which the messages delivered here make.
+            await asyncio.wait([sending], timeout=0.001)
         await sending
         self.deliver()
 
