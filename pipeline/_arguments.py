@@ -7,10 +7,9 @@ import difflib
 from collections.abc import Sequence
 from typing import NoReturn
 
-__all__ = ("USAGE_ERROR", "OneLineParser")
+from pipeline._exit_codes import EXIT_CONFIG
 
-#: The exit status of a command given arguments it cannot work with.
-USAGE_ERROR = 2
+__all__ = ("OneLineParser",)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -36,7 +35,7 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """Exit with status 2 after one line saying what is wrong (argparse calls this)."""
-        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
     def _command_parser(self, parsed: argparse.Namespace) -> OneLineParser:
         """The parser of the subcommand ``parsed`` names (the deepest), else this one."""

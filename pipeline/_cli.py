@@ -62,6 +62,7 @@ from pipeline._errors import (
     PipelineError,
     StageError,
 )
+from pipeline._exit_codes import EXIT_CONFIG
 from pipeline._host import is_wildcard, split_endpoint, tcp_endpoint
 from pipeline._logging import configure_logging
 from pipeline._report import print_tables, render_tables
@@ -85,7 +86,6 @@ __all__ = (
 log = structlog.get_logger("stagewire.cli")
 
 EXIT_FAILED = 1
-EXIT_CONFIG = 2
 EXIT_START = 3
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
